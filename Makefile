@@ -1,0 +1,23 @@
+# Two entry points for a fresh machine; each builds its own virtualenv from the pinned lock.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test validators
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dfpipe demo
+
+validators:
+	bash deploy/install-validators.sh
+
+test: $(STAMP) validators
+	$(PY) -m pytest -q -n 2 tests

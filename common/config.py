@@ -1,0 +1,253 @@
+"""One config object for both services, loaded from YAML with strict checking.
+
+Every knob lives here with its default. Both services read the same file: the target server uses
+`ring`, `data`, `target`, `service`; the trainer uses `drafter`, `train`, `service` and learns the
+target's shape from the server's WELCOME. Unknown keys and wrong types are errors, not warnings:
+a typo in a hyper-parameter must not silently train with the default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+@dataclass
+class RingConfig:
+    name: str = "dfpipe"                # ring files: <shm_dir>/<name>.w<worker>.<producer_epoch>
+    shm_dir: str = "/dev/shm"
+    slots: int = 6                      # slots per target worker
+    cuda_register: str = "auto"         # auto | off | require
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""                # a prepared shard folder (dfpipe prepare-data)
+    heldout_path: str = ""              # optional prepared folder for eval during training
+    seed: int = 0
+    token_budget: int = 4096            # tokens per packed batch (one fixed shape)
+    max_len: int = 3072                 # longest sample kept as one document
+    overlong: str = "truncate"          # truncate | split | skip
+
+
+@dataclass
+class TargetConfig:
+    model: str = "builtin:tiny-qwen3.5"  # a local HF folder, or builtin:<name>
+    layer_ids: list[int] = field(default_factory=list)  # empty: round(1 + i*(L-4)/(k-1))
+    num_capture_layers: int = 5
+    devices: list[str] = field(default_factory=lambda: ["cpu"])  # one worker per device
+    dtype: str = "auto"                 # auto: bf16 on cuda, fp32 on cpu
+    warmup: bool = True
+    triton_cache_dir: str = ""          # persisted across restarts so autotune runs once
+    audit_every: int = 50               # recompute one document unpacked every N batches (0: off)
+    audit_tolerance: float = 0.05
+    max_hidden_norm: float = 1.0e4      # a captured row with a larger RMS is quarantined
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = -1             # -1: from the tokenizer's mask token
+    max_anchors: int = 512
+    gamma: float = 0.0                  # 0: 7 for B=16, 5 for B=10, 4 for B=8
+    sliding_window: int = 0             # 0: all layers full attention
+    layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
+    split_fc: bool = False
+    loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
+    intermediate_size: int = 0          # 0: the target's
+    num_heads: int = 0                  # 0: the target's attention heads
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/dfpipe"
+    epochs: int = 6
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    checkpoint_every: int = 200         # steps
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 8              # consecutive non-finite steps before checkpoint-and-stop
+    eval_every: int = 0                 # steps; 0: off
+    eval_batches: int = 4
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"                # auto: cuda:<local_rank> if CUDA, else cpu
+    compute_dtype: str = "auto"         # auto: bf16 on cuda, fp32 on cpu
+    max_steps: int = 0                  # 0: until the epochs end
+    tensorboard: bool = True
+    wandb_project: str = ""
+
+
+@dataclass
+class ServiceConfig:
+    target_endpoint: str = "ipc:///tmp/dfpipe-target.sock"
+    trainer_endpoint: str = "ipc:///tmp/dfpipe-trainer.sock"
+    heartbeat_s: float = 1.0            # PING period
+    lease_s: float = 10.0               # no PONG for this long: the peer is presumed hung
+    rescan_s: float = 0.5               # header re-scan period (ZeroMQ is only the doorbell)
+    request_timeout_s: float = 5.0
+    target_metrics_port: int = 0        # 0: no Prometheus endpoint
+    trainer_metrics_port: int = 0
+    max_message_bytes: int = 1 << 20
+
+
+@dataclass
+class Config:
+    ring: RingConfig = field(default_factory=RingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    source: str = ""                    # the file it came from; relative paths resolve against it
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def hash(self, *sections: str) -> str:
+        """Stable digest of the named sections (all when none): what a checkpoint was trained with."""
+        d = self.to_dict()
+        if sections:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def resolve(self, path: str) -> str:
+        """A path from the config, relative to the config file's folder."""
+        if not path or os.path.isabs(path) or path.startswith("builtin:") or not self.source:
+            return path
+        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.source)), path))
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return [_check_type(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} ({value!r})")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _fill(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(prefix + k for k in unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _fill(tp, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(value, tp, prefix + name)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that a type check cannot express."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(cfg.ring.slots >= 2, "ring.slots: need at least 2 slots per worker")
+    need(cfg.ring.cuda_register in ("auto", "off", "require"), "ring.cuda_register: auto | off | require")
+    need(bool(cfg.ring.name) and "/" not in cfg.ring.name, "ring.name: a non-empty name without '/'")
+    need(cfg.data.token_budget >= 16, "data.token_budget: at least 16 tokens")
+    need(cfg.data.max_len >= 2, "data.max_len: at least 2 tokens")
+    need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
+    need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")
+    need(bool(cfg.target.devices), "target.devices: at least one device")
+    need(cfg.target.dtype in ("auto", "bf16", "fp32", "fp16"), "target.dtype: auto | bf16 | fp16 | fp32")
+    need(cfg.drafter.block_size >= 2, "drafter.block_size: at least 2")
+    need(cfg.drafter.num_layers >= 1, "drafter.num_layers: at least 1")
+    need(cfg.drafter.max_anchors >= 1, "drafter.max_anchors: at least 1")
+    for t in cfg.drafter.layer_types:
+        need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
+    need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
+         "drafter.layer_types: one entry per drafter layer")
+    need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,
+         "drafter.sliding_window: required when a layer is sliding_attention")
+    need(cfg.train.epochs >= 1, "train.epochs: at least 1")
+    need(cfg.train.lr > 0, "train.lr: must be positive")
+    need(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio: in [0, 1)")
+    need(len(cfg.train.betas) == 2, "train.betas: two numbers")
+    need(cfg.train.checkpoint_every >= 1, "train.checkpoint_every: at least 1 step")
+    need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: at least 1")
+    need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
+    return cfg
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or defaults when path is None), apply `section.key=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {k} is not a section")
+        node[keys[-1]] = value
+    cfg = _fill(Config, {k: v for k, v in data.items() if k != "source"}, "")
+    cfg.source = os.path.abspath(path) if path else ""
+    return validate(cfg)
+
+
+def default_layer_ids(num_layers: int, k: int) -> list[int]:
+    """DFlash capture layers: round(1 + i*(L-4)/(k-1)), e.g. [1,16,31,46,61] for L=64, k=5."""
+    if k == 1:
+        return [1]
+    ids = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
+    if len(set(ids)) != k or ids[-1] >= num_layers:
+        raise ConfigError(f"cannot place {k} capture layers in a {num_layers}-layer target")
+    return ids
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay per block position: 7 for B=16, 5 for B=10, 4 for B=8 (published recipe)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
