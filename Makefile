@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test validators
 
-$(STAMP): requirements/cpu.txt pyproject.toml
+$(STAMP): requirements/cpu.txt requirements/base.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/cpu.txt

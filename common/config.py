@@ -32,7 +32,7 @@ class RingConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = ""                # a prepared shard folder (dfpipe prepare-data)
+    train_path: str = ""                # a prepared shard folder, or a chat .jsonl prepared on start
     heldout_path: str = ""              # optional prepared folder for eval during training
     seed: int = 0
     token_budget: int = 4096            # tokens per packed batch (one fixed shape)
@@ -43,6 +43,8 @@ class DataConfig:
 @dataclass
 class TargetConfig:
     model: str = "builtin:tiny-qwen3.5"  # a local HF folder, or builtin:<name>
+    tokenizer: str = ""                 # tokenizer folder when the model folder has none (builtin targets)
+    cache_dir: str = ".cache/dfpipe"    # built-in targets and prepared data land here
     layer_ids: list[int] = field(default_factory=list)  # empty: round(1 + i*(L-4)/(k-1))
     num_capture_layers: int = 5
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # one worker per device

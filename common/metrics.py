@@ -1,0 +1,86 @@
+"""Per-stage timers and a Prometheus endpoint that exports a service's status snapshot.
+
+Both services keep their live numbers in one status dict (what `dfpipe ctl ... status` returns);
+the Prometheus endpoint flattens that same dict, so the two views can never disagree.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class StageTimes:
+    """Seconds and counts per named stage (data, forward, copy, publish_wait, ring_full_wait, ...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + seconds
+            self._counts[stage] = self._counts.get(stage, 0) + 1
+
+    @contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - t0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {k: {"seconds": round(v, 6), "count": self._counts[k],
+                        "mean_ms": round(1000 * v / max(1, self._counts[k]), 3)}
+                    for k, v in self._seconds.items()}
+
+
+def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:
+    """Numeric leaves of a nested status dict as `prefix_a_b` -> float (bools as 0/1)."""
+    out = {} if out is None else out
+    if isinstance(value, bool):
+        out[prefix] = float(value)
+    elif isinstance(value, (int, float)):
+        out[prefix] = float(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            flatten(f"{prefix}_{k}", v, out)
+    return out
+
+
+def start_metrics_server(port: int, namespace: str, snapshot: Callable[[], dict[str, Any]]) -> bool:
+    """Serve `snapshot()` as Prometheus gauges on `port` (0: disabled). Returns whether it started."""
+    if not port:
+        return False
+    from prometheus_client import start_http_server
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+    class _Collector:
+        def collect(self):  # noqa: ANN202 - prometheus_client protocol
+            try:
+                values = flatten(namespace, snapshot())
+            except Exception:  # a status bug must not take the endpoint (or the service) down
+                log.exception("metrics snapshot failed")
+                values = {}
+            for name, v in sorted(values.items()):
+                safe = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+                yield GaugeMetricFamily(safe, f"dfpipe status field {name}", value=v)
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    try:
+        start_http_server(port, registry=registry)
+    except OSError as e:
+        log.error("metrics endpoint on port %d not started: %s", port, e)
+        return False
+    log.info("Prometheus metrics on :%d/metrics", port)
+    return True

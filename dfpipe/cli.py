@@ -1,0 +1,203 @@
+"""`dfpipe` command line: one entry point for both services and the tools around them."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from common.config import Config, ConfigError, load_config
+
+DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config or None, args.set)
+
+
+def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("-c", "--config", default=DEFAULT_CONFIG, required=required and not DEFAULT_CONFIG,
+                   help="YAML config (default: $DFPIPE_CONFIG)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.lr=3e-4")
+
+
+def _print(obj: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+    else:
+        from .ctl import render
+        print(render(obj))
+
+
+def cmd_target_server(args: argparse.Namespace) -> int:
+    _quiet_fla_on_cpu()
+    from target_server.server import main
+    return main(_config(args))
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    _quiet_fla_on_cpu()
+    from drafter_trainer.train import main
+    return main(_config(args))
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from .ctl import control
+    cfg = _config(args)
+    endpoint = args.endpoint or (cfg.service.target_endpoint if args.service == "target" else cfg.service.trainer_endpoint)
+    reply = control(endpoint, args.service, args.command, timeout_s=args.timeout)
+    _print(reply, args.json)
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .ctl import top
+    return top(_config(args), interval=args.interval, iterations=args.iterations)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from drafter_trainer.checkpoint import inspect, latest_checkpoint
+    path = args.path
+    if not path:
+        cfg = _config(args)
+        path = latest_checkpoint(cfg.resolve(cfg.train.out_dir))
+        if path is None:
+            raise SystemExit(f"dfpipe inspect: no checkpoint under {cfg.resolve(cfg.train.out_dir)}")
+    elif os.path.isdir(os.path.join(path, "checkpoints")):
+        path = latest_checkpoint(path) or path
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise SystemExit(f"dfpipe inspect: {path} is not a checkpoint (no meta.json)")
+    info = inspect(path)
+    if not args.json:
+        info.pop("have", None)
+    _print(info, args.json)
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from target_server.data import prepare_data
+    report = prepare_data(args.input, args.tokenizer, args.out, max_len=args.max_len, overlong=args.overlong)
+    print(report.summary())
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export_cmd import export_checkpoint
+    out = export_checkpoint(_config(args), args.checkpoint, args.out, args.target)
+    print(f"exported drafter to {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    return run_demo(args.config or None, args.set, keep=args.keep)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .eval import main as eval_main
+    return eval_main(args)
+
+
+def cmd_make_toy_target(args: argparse.Namespace) -> int:
+    from .toy_target import main as toy_main
+    return toy_main(args)
+
+
+def _quiet_fla_on_cpu() -> None:
+    """On a machine without CUDA, keep FLA/causal-conv1d out so transformers runs its torch path."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            for mod in ("fla", "causal_conv1d"):
+                sys.modules.setdefault(mod, None)  # type: ignore[arg-type]
+    except ImportError:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dfpipe", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("demo", help="both services on CPU with the tiny target and demo data, end to end")
+    _add_config(p)
+    p.add_argument("--keep", action="store_true", help="keep the run folder from an earlier demo (resume)")
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("target-server", help="run the target server (long-lived)")
+    _add_config(p, required=True)
+    p.set_defaults(fn=cmd_target_server)
+
+    p = sub.add_parser("trainer", help="run the drafter trainer (one rank; under torchrun for several)")
+    _add_config(p, required=True)
+    p.set_defaults(fn=cmd_trainer)
+
+    p = sub.add_parser("ctl", help="send a control command to a running service")
+    p.add_argument("service", choices=["target", "trainer"])
+    p.add_argument("command", choices=["status", "pause", "resume", "drain", "shutdown", "checkpoint"])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--endpoint", default="", help="override the endpoint from the config")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    _add_config(p)
+    p.set_defaults(fn=cmd_ctl)
+
+    p = sub.add_parser("top", help="live view of both services")
+    _add_config(p)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
+    p.set_defaults(fn=cmd_top)
+
+    p = sub.add_parser("inspect", help="what a checkpoint holds (step, epoch, sample accounting)")
+    p.add_argument("path", nargs="?", default="", help="a checkpoint folder or a run folder (default: latest of -c)")
+    p.add_argument("--json", action="store_true")
+    _add_config(p)
+    p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("prepare-data", help="tokenize chat JSONL into shards (bad rows counted and reported)")
+    p.add_argument("--input", required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-len", type=int, default=3072)
+    p.add_argument("--overlong", choices=["truncate", "split", "skip"], default="truncate")
+    p.set_defaults(fn=cmd_prepare_data)
+
+    p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")
+    _add_config(p)
+    p.add_argument("--checkpoint", default="", help="checkpoint folder (default: latest)")
+    p.add_argument("--target", default="", help="target model folder (default: from the config)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("eval", help="speculative decoding with the drafter: acceptance length, lossless check")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", required=True, help="JSONL chat file or text file, one prompt per line")
+    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=0, help="evaluate the first N prompts only")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("make-toy-target", help="train a tiny Qwen3.5 LM on a structured corpus (a target worth drafting for)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=8.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_toy_target)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        print(f"dfpipe: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

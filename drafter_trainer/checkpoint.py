@@ -1,0 +1,118 @@
+"""Atomic, resumable checkpoints that say exactly which batches (and samples) they contain.
+
+    <out_dir>/checkpoints/step-00000120/       a complete checkpoint (only ever appears by rename)
+        state.pt     weights (trainable only), optimizer, schedule, RNG, step
+        meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash
+    <out_dir>/checkpoints/.tmp-step-00000120-<pid>/   being written; ignored and swept on start
+
+A `kill -9` at any moment leaves either the previous complete checkpoint or the new one, never a
+half-written one that `latest_checkpoint` would pick.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.seqset import SeqSet
+
+PREFIX = "step-"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_root(out_dir: str) -> str:
+    return os.path.join(out_dir, "checkpoints")
+
+
+def sample_stats(trained_samples: dict[int, np.ndarray], epoch: int, epoch_samples: int) -> dict[str, int]:
+    """Exactly-once accounting for one epoch: distinct samples and samples seen more than once."""
+    ids = trained_samples.get(epoch, np.zeros(0, dtype=np.int64))
+    counts = Counter(ids.tolist())
+    return {"samples_trained": len(counts), "samples_duplicated": sum(1 for c in counts.values() if c > 1),
+            "epoch_samples": epoch_samples}
+
+
+def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> str:
+    root = checkpoint_root(out_dir)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"{PREFIX}{step:08d}")
+    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # same step saved twice (e.g. SIGTERM right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    root = checkpoint_root(out_dir)
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX)
+                   and os.path.isfile(os.path.join(root, n, "meta.json")))
+    return [os.path.join(root, n) for n in names]
+
+
+def sweep_partial(out_dir: str) -> int:
+    """Remove checkpoints a killed process left half-written."""
+    root = checkpoint_root(out_dir)
+    if not os.path.isdir(root):
+        return 0
+    gone = 0
+    for n in os.listdir(root):
+        if n.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+            gone += 1
+    return gone
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    state = torch.load(os.path.join(path, "state.pt"), map_location=map_location, weights_only=False)
+    return state, meta
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def inspect(path: str) -> dict[str, Any]:
+    """What `dfpipe inspect` prints: the meta plus the accounting of the current epoch."""
+    meta = read_meta(path)
+    have = SeqSet.from_wire(meta["have"])
+    out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
+                                "config_hash", "skipped_steps", "time") if k in meta}
+    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"]})
+    return out

@@ -1,0 +1,291 @@
+"""A trainer rank's feed: ZeroMQ doorbell + shared-memory slots -> packed batches on the device.
+
+One I/O thread owns the DEALER socket (zmq sockets are not thread-safe) and does everything that
+must keep happening while the training thread is busy in a step: answer PINGs, receive
+ANNOUNCEs, copy announced slots to the device, ack them, notice a dead target server and
+re-HELLO a new one. The training thread only calls `get()`.
+
+    ANNOUNCE -> read slot (header checked) -> copy to device (own stream) -> copy done
+             -> queue the batch -> ack in shared memory -> ACK message
+
+The batch is queued before the ACK goes out, so by the time the server can declare an epoch
+over, every acked batch already sits in some rank's queue. `have()` is the set of seqs whose
+effect is (or will be, once queued batches are trained) in this rank's model: the checkpoint's
+set plus everything acked since. After FENCED (the server declared this session over) the
+queued, untrained batches are dropped and forgotten: the next session re-delivers them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from common.batch import BatchError, PackedBatch, check_batch
+from common.channel import DealerChannel
+from common.config import Config
+from common.liveness import process_start_time
+from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, Reply, Welcome,
+                             next_rid)
+from common.ring import ConsumerRing, RingError, StaleSlot
+from common.seqset import SeqSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpochEndMarker:
+    epoch: int
+
+
+class RingFeed:
+    """Batches for one trainer rank, in the order the target server announced them."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
+                 epochs: int, credit: int = 2, depth: int = 2) -> None:
+        self.cfg = cfg
+        self.rank, self.world, self.job = rank, world, job
+        self.device = device
+        self.epochs = epochs
+        self.credit = credit
+        self._base_have = have.copy()
+        self._acked = SeqSet()
+        self._lock = threading.Lock()
+        self._out: queue.Queue = queue.Queue(maxsize=depth + 2)  # batches + epoch markers
+        self._depth = depth
+        self._pending: deque = deque()          # Announce / EpochEndMarker not yet processed
+        self._seen_pubs: set[tuple[int, int, int]] = set()
+        self._commits: queue.Queue = queue.Queue()
+        self.state = "connecting"
+        self.welcome: Welcome | None = None
+        self.welcomed = threading.Event()
+        self.consumer_epoch = -1
+        self.rings: dict[int, ConsumerRing] = {}
+        self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
+                         "reconnects": 0}
+        self.error: str = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"feed-rank{rank}", daemon=True)
+        self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._last_server = time.monotonic()
+
+    # ---- training-thread API -----------------------------------------------------------------
+    def start(self, timeout: float | None = None) -> Welcome:
+        """Connect and wait for the first WELCOME (the target may still be loading: keep waiting)."""
+        self._thread.start()
+        if not self.welcomed.wait(timeout):
+            raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
+                               f"within {timeout}s ({self.error or 'no answer'})")
+        return self.welcome
+
+    def get(self, timeout: float) -> PackedBatch | EpochEndMarker | None:
+        try:
+            return self._out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def have(self) -> SeqSet:
+        with self._lock:
+            return SeqSet.union_of(self._base_have, self._acked)
+
+    def commit(self, have: SeqSet, step: int) -> None:
+        """Tell the server what the checkpoint just written holds (status; HELLO carries the truth)."""
+        self._commits.put((have.copy(), step))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for r in self.rings.values():
+            r.close()
+        self.rings.clear()
+
+    # ---- I/O thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        svc = self.cfg.service
+        chan = DealerChannel(svc.target_endpoint, max_bytes=svc.max_message_bytes)
+        try:
+            self._hello(chan)
+            last_hello = time.monotonic()
+            while not self._stop.is_set():
+                msg = chan.recv(timeout_s=0.05 if self._pending else svc.rescan_s)
+                while msg is not None:
+                    self._last_server = time.monotonic()
+                    self._on_message(chan, msg)
+                    msg = chan.recv(timeout_s=0)
+                self._drain_pending(chan)
+                self._send_commits(chan)
+                now = time.monotonic()
+                server_gone = now - self._last_server > svc.lease_s or any(
+                    not r.producer_alive() for r in self.rings.values())
+                if (server_gone or self.state in ("fenced", "connecting")) and now - last_hello > svc.request_timeout_s:
+                    if server_gone and self.state == "streaming":
+                        log.warning("rank %d: target server silent for %.1fs; waiting for it", self.rank,
+                                    now - self._last_server)
+                        self.state = "waiting_for_target"
+                    self._hello(chan)
+                    last_hello = now
+        except Exception as e:  # surfaced to the training thread through .error/.state
+            log.exception("rank %d feed failed", self.rank)
+            self.error = repr(e)
+            self.state = "failed"
+            self.welcomed.set()
+        finally:
+            chan.close()
+
+    def _hello(self, chan: DealerChannel) -> None:
+        chan.send(Hello(rid=next_rid(), job=self.job, rank=self.rank, world=self.world, pid=os.getpid(),
+                        start_time=process_start_time(os.getpid()) or 0, have=self.have(),
+                        epochs=self.epochs, credit=self.credit))
+
+    def _on_message(self, chan: DealerChannel, msg) -> None:
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, Announce):
+            if msg.consumer_epoch != self.consumer_epoch:
+                return  # an announcement for a session that is over
+            key = (msg.worker, self.rings[msg.worker].producer_epoch if msg.worker in self.rings else -1, msg.pub_seq)
+            if key in self._seen_pubs:
+                return  # re-announced after a lost ack message: already handled or queued
+            self._seen_pubs.add(key)
+            self._pending.append(msg)
+        elif isinstance(msg, EpochEnd):
+            if msg.consumer_epoch == self.consumer_epoch:
+                self._pending.append(EpochEndMarker(msg.epoch))
+        elif isinstance(msg, Ping):
+            chan.send(Pong(rid=msg.rid, t=msg.t))
+        elif isinstance(msg, Pong):
+            pass
+        elif isinstance(msg, Fenced):
+            if msg.consumer_epoch == self.consumer_epoch and self.state != "fenced":
+                self._on_fenced(msg.reason)
+        elif isinstance(msg, Reply):
+            if not msg.ok:
+                self.error = msg.error
+                log.warning("rank %d: target server refused: %s", self.rank, msg.error)
+        else:
+            log.warning("rank %d: unexpected %s from the target server", self.rank, type(msg).__name__)
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if msg.consumer_epoch == self.consumer_epoch:
+            return
+        known = {w: r.producer_epoch for w, r in self.rings.items()}
+        fresh = {ri.worker: ri.producer_epoch for ri in msg.rings}
+        if known and known != fresh:
+            self.counters["reconnects"] += 1
+            log.info("rank %d: new target server rings %s", self.rank, [ri.path for ri in msg.rings])
+        for w in list(self.rings):
+            if fresh.get(w) != self.rings[w].producer_epoch:
+                self.rings.pop(w).close()
+        for ri in msg.rings:
+            if ri.worker not in self.rings:
+                self.rings[ri.worker] = ConsumerRing.attach(ri.path, cuda_register=self.cfg.ring.cuda_register)
+        self.consumer_epoch = msg.consumer_epoch
+        self._pending.clear()
+        self.welcome = msg
+        self.state = "streaming"
+        self.error = ""
+        self.welcomed.set()
+
+    def _on_fenced(self, reason: str) -> None:
+        """Our session is over: forget batches not yet handed to training; say HELLO again."""
+        self.counters["fenced"] += 1
+        log.warning("rank %d fenced by the target server: %s", self.rank, reason)
+        self._pending.clear()
+        dropped = []
+        while True:
+            try:
+                item = self._out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, PackedBatch):
+                dropped.append(item.seq)
+        with self._lock:
+            acked = SeqSet()
+            for seq in self._acked:
+                if seq not in dropped:
+                    acked.add(seq)
+            self._acked = acked
+        self._seen_pubs.clear()
+        self.consumer_epoch = -1
+        self.state = "fenced"
+
+    def _drain_pending(self, chan: DealerChannel) -> None:
+        while self._pending and self._out.qsize() < self._depth:
+            item = self._pending.popleft()
+            if isinstance(item, EpochEndMarker):
+                self._out.put(item)
+                continue
+            self._take(chan, item)
+
+    def _take(self, chan: DealerChannel, a: Announce) -> None:
+        ring = self.rings.get(a.worker)
+        if ring is None:
+            log.warning("rank %d: announce for unknown worker %d dropped", self.rank, a.worker)
+            return
+        if a.slot < 0 or a.slot >= ring.slot_count:
+            log.warning("rank %d: announce for slot %d outside ring of %d dropped", self.rank, a.slot, ring.slot_count)
+            return
+        try:
+            view = ring.read(a.slot, a.pub_seq)
+            batch = self._copy_out(view, a)
+            if not view.still_valid():
+                raise StaleSlot(f"slot {a.slot} changed while it was copied")
+        except StaleSlot as e:
+            self.counters["stale_slots"] += 1
+            log.warning("rank %d: seq %d not taken: %s", self.rank, a.seq, e)
+            return
+        except (BatchError, RingError, KeyError, ValueError) as e:
+            # A malformed slot is not acked: the server's audit/log sees it stay READY.
+            self.counters["bad_batches"] += 1
+            log.error("rank %d: slot %d (seq %d) unusable, not acked: %s", self.rank, a.slot, a.seq, e)
+            return
+        duplicate = a.seq in self.have()
+        if duplicate:
+            self.counters["duplicates"] += 1
+            log.warning("rank %d: seq %d already held; acked without training it again", self.rank, a.seq)
+        else:
+            self._out.put(batch)
+            with self._lock:
+                self._acked.add(a.seq)
+        ring.ack(a.slot, a.pub_seq, a.consumer_epoch)
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+        self.counters["batches"] += 1
+
+    def _copy_out(self, view, a: Announce) -> PackedBatch:
+        meta = view.meta
+        if int(meta.get("seq", -1)) != a.seq:
+            raise ValueError(f"slot holds seq {meta.get('seq')}, announced {a.seq}")
+        t = view.tensors
+        if self._copy_stream is None:
+            moved = {k: t[k].clone() for k in ("hidden", "input_ids", "loss_mask", "position_ids", "doc_lens",
+                                               "sample_ids")}
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                moved = {k: t[k].to(self.device, non_blocking=True) for k in
+                         ("hidden", "input_ids", "loss_mask", "position_ids", "doc_lens", "sample_ids")}
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            done.synchronize()
+            main = torch.cuda.default_stream(self.device)
+            for v in moved.values():
+                v.record_stream(main)  # allocated on the copy stream, used on the training stream
+        batch = PackedBatch(**moved, seq=a.seq, epoch=int(meta.get("epoch", a.epoch)))
+        check_batch(batch if self._copy_stream is None else PackedBatch(
+            hidden=batch.hidden, **{k: t[k] for k in ("input_ids", "loss_mask", "position_ids", "doc_lens",
+                                                      "sample_ids")}))
+        return batch
+
+    def _send_commits(self, chan: DealerChannel) -> None:
+        while True:
+            try:
+                have, step = self._commits.get_nowait()
+            except queue.Empty:
+                return
+            if self.consumer_epoch >= 0:
+                chan.send(Commit(rid=next_rid(), consumer_epoch=self.consumer_epoch, have=have, step=step))

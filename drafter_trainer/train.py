@@ -1,0 +1,452 @@
+"""The drafter trainer: one process per rank (torchrun), each a ring consumer, in lockstep.
+
+Read `train_loop` top to bottom: take a batch, agree with the other ranks, anchors -> blocks ->
+DFlash loss -> backward -> all-reduce -> finite check -> clip -> step -> account -> checkpoint.
+Everything else here is set-up around it.
+
+Ranks and epochs. Each rank gets its own stream of batches from the target server. Every step
+the ranks all-reduce a few flags (has a batch, stop, checkpoint, ...); a rank without a batch
+this step contributes zero loss and zero gradient, so uneven epochs and slow deliveries never
+deadlock. The loss is normalised by the weight sum over all ranks (so gradients are summed, not
+averaged, across ranks). Training ends when every rank has seen EpochEnd for every epoch and no
+rank holds a batch.
+
+Exactly once. The model state after step s contains exactly the batches trained in steps <= s.
+A checkpoint stores that set (`have`) and the sample ids per epoch; a restarted trainer sends
+`have` in HELLO and the target server delivers every other seq. The learning-rate schedule is a
+function of progress (batches held / batches planned), so it survives restarts and a change in
+the number of ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.config import Config, default_gamma
+from common.metrics import StageTimes, start_metrics_server
+from common.seqset import SeqSet
+
+from .blocks import anchor_seed, build_blocks, sample_anchors
+from .checkpoint import latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
+from .control import TrainerControl, TrainerFlags
+from .export import export_drafter
+from .feed import EpochEndMarker, RingFeed
+from .loss import dflash_loss, implied_acceptance_length
+from .model import DFlashConfig, DFlashDraftModel
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED = 0, 3, 1
+MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
+
+
+# ---- small pieces ------------------------------------------------------------------------------
+def lr_at(progress: float, cfg: Config) -> float:
+    """Linear warm-up then cosine decay, as a function of the fraction of planned batches trained."""
+    t = cfg.train
+    if progress < t.warmup_ratio:
+        return t.lr * max(progress, 1e-3) / t.warmup_ratio
+    frac = min(1.0, (progress - t.warmup_ratio) / max(1e-9, 1 - t.warmup_ratio))
+    floor = t.lr * t.min_lr_ratio
+    return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class Ranks:
+    """torch.distributed when launched by torchrun with WORLD_SIZE > 1; no-ops otherwise."""
+
+    def __init__(self, device_pref: str) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() and device_pref != "cpu"
+        if device_pref not in ("auto", "cpu", "cuda"):
+            self.device = torch.device(device_pref)
+        else:
+            self.device = torch.device(f"cuda:{self.local_rank}") if use_cuda else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def broadcast_str(self, value: str) -> str:
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def mask_token_id(cfg: Config, target_dir: str) -> int:
+    if cfg.drafter.mask_token_id >= 0:
+        return cfg.drafter.mask_token_id
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    for t in MASK_TOKENS:
+        tid = tok.convert_tokens_to_ids(t)
+        if isinstance(tid, int) and tid >= 0 and tid != tok.unk_token_id:
+            return tid
+    raise ValueError(f"the target tokenizer in {target_dir} has no mask token {MASK_TOKENS}; "
+                     "set drafter.mask_token_id (Qwen3: 151669, Qwen3.5/3.6: 248070)")
+
+
+def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device) -> DFlashDraftModel:
+    target_dir = target["model_path"]
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        target_config = json.load(f)
+    dcfg = DFlashConfig.from_target(target_config, cfg.drafter, list(target["layer_ids"]),
+                                    mask_token_id(cfg, target_dir))
+    model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc)
+    model.load_target_head(target_dir)
+    return model.to(device)
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.ranks = Ranks(cfg.train.device)
+        self.device = self.ranks.device
+        self.flags = TrainerFlags()
+        self.stages = StageTimes()
+        self.out_dir = cfg.resolve(cfg.train.out_dir)
+        self.state = "starting"
+        self.step = 0
+        self.epoch = 0
+        self.skipped_steps = 0
+        self.bad_in_row = 0
+        self.trained = SeqSet()                     # seqs whose effect is in the weights
+        self.resumed_batches = 0
+        self.trained_samples: dict[int, list[np.ndarray]] = {}
+        self.last_loss = float("nan")
+        self.last_checkpoint = ""
+        self.acc_per_pos: list[float] = []
+        self.tokens = 0
+        self.t_start = time.time()
+        self.epoch_samples = 0
+        self.total_batches = 1
+        self.control: TrainerControl | None = None
+        self.writer = None
+        self.metrics_file = None
+
+    # status is read by the control thread: only plain values
+    def status(self) -> dict[str, Any]:
+        stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples)
+        elapsed = max(1e-9, time.time() - self.t_start)
+        feed = getattr(self, "feed", None)
+        return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
+                **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
+                "batches_trained": len(self.trained), "batches_planned": self.total_batches,
+                "skipped_steps": self.skipped_steps, "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens / elapsed, 2),
+                "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
+                                              if self.acc_per_pos else None),
+                "acceptance_per_position": [round(a, 4) for a in self.acc_per_pos],
+                "feed": {"state": feed.state, **feed.counters} if feed else None,
+                "world": self.ranks.world, "stages": self.stages.snapshot()}
+
+    def _samples_by_epoch(self) -> dict[int, np.ndarray]:
+        return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in self.trained_samples.items()}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _resume(self) -> SeqSet:
+        sweep_partial(self.out_dir) if self.ranks.rank == 0 else None
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            return SeqSet()
+        state, meta = load_checkpoint(path)
+        self._resume_state = state
+        self.step = meta["step"]
+        self.epoch = meta["epoch"]
+        self.skipped_steps = meta.get("skipped_steps", 0)
+        self.trained = SeqSet.from_wire(meta["have"])
+        self.resumed_batches = len(self.trained)
+        self.trained_samples = {int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
+        self.last_checkpoint = path
+        if meta.get("config_hash") != self.cfg.hash("drafter"):
+            log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
+                        path, meta.get("config_hash"))
+        log.info("resuming from %s: step %d, %d batches held", path, self.step, len(self.trained))
+        return self.trained.copy()
+
+    def checkpoint(self, reason: str) -> None:
+        with self.stages.time("checkpoint"):
+            # every rank trained different batches: the saved set is their union
+            parts = self.ranks.gather_objects((self.trained.to_wire(),
+                                               {e: np.concatenate(v).tolist() if v else []
+                                                for e, v in self.trained_samples.items()}))
+            have = SeqSet()
+            samples: dict[int, list[int]] = {}
+            for wire, by_epoch in parts:
+                have.update(SeqSet.from_wire(wire))
+                for e, ids in by_epoch.items():
+                    samples.setdefault(int(e), []).extend(ids)
+            if self.ranks.rank != 0:
+                return
+            samples_np = {e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}
+            trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
+            state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
+                     "drafter_config": dataclasses.asdict(self.model.config), "split_fc": self.cfg.drafter.split_fc,
+                     "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
+            meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason,
+                    "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
+                    "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples)}
+            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
+                                                   self.cfg.train.keep_checkpoints)
+            self.feed.commit(have, self.step)
+            log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
+                     {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        have = self._resume()
+        job = self.ranks.broadcast_str(f"{uuid.uuid4().hex[:12]}-{os.getpid()}")
+        if self.ranks.rank == 0:
+            self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
+                                          cfg.service.max_message_bytes)
+            self.control.start()
+            start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
+        self.state = "waiting_for_target"
+        self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs)
+        welcome = self.feed.start(timeout=None)
+        if self.feed.state == "failed":
+            raise RuntimeError(f"feed failed: {self.feed.error}")
+        self.total_batches = max(1, sum(welcome.epoch_sizes))
+        self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
+        self.model = build_drafter(cfg, welcome.target, self.device)
+        self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                           weight_decay=cfg.train.weight_decay)
+        if getattr(self, "_resume_state", None) is not None:
+            st = self._resume_state
+            missing = self.model.load_state_dict(st["model"], strict=False)
+            if missing.unexpected_keys:
+                raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
+            self.optimizer.load_state_dict(st["optimizer"])
+            torch.set_rng_state(st["rng"]["torch"])
+        self.compute_dtype = (torch.bfloat16 if self.device.type == "cuda" and cfg.train.compute_dtype != "fp32"
+                              else torch.float32)
+        self.gamma = cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
+        self.mask_id = self.model.config.mask_token_id
+        if self.ranks.rank == 0:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self.metrics_file = open(os.path.join(self.out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            if cfg.train.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
+            if cfg.train.wandb_project:
+                self._init_wandb()
+        self.state = "training"
+
+    def _init_wandb(self) -> None:
+        try:
+            import wandb
+        except ImportError:
+            log.warning("train.wandb_project is set but wandb is not installed; logging to TensorBoard only")
+            return
+        self.wandb = wandb.init(project=self.cfg.train.wandb_project, config=self.cfg.to_dict(), resume="allow")
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _next_batch(self, ends_seen: set[int]):
+        """This step's batch, or None (epoch markers are consumed here)."""
+        if self.flags.drain or self.flags.paused:
+            return None
+        deadline = time.monotonic() + (0.5 if self.ranks.world > 1 else 1.0)
+        while time.monotonic() < deadline:
+            item = self.feed.get(timeout=max(0.0, deadline - time.monotonic()))
+            if isinstance(item, EpochEndMarker):
+                ends_seen.add(item.epoch)
+                continue
+            return item
+        return None
+
+    def _record(self, batch, out, lr: float, step_s: float) -> None:
+        self.trained.add(batch.seq)
+        self.trained_samples.setdefault(batch.epoch, []).append(batch.sample_ids.cpu().numpy().astype(np.int64))
+        self.epoch = max(self.epoch, batch.epoch)
+        self.tokens += batch.num_tokens
+        if out is None:
+            return
+        acc = (out.correct_per_pos / out.count_per_pos.clamp_min(1)).tolist()
+        self.acc_per_pos = acc[1:]  # position 0 is the anchor itself (no loss)
+        self.last_loss = float(out.loss.detach()) if out.loss.numel() == 1 else float("nan")
+        if self.ranks.rank == 0 and self.step % max(1, self.cfg.train.log_every) == 0:
+            tau = implied_acceptance_length(torch.tensor(self.acc_per_pos))
+            rec = {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr, "tau": tau,
+                   "tokens_per_s": batch.num_tokens * self.ranks.world / max(step_s, 1e-9),
+                   "anchors": out.num_anchors, "step_s": step_s, "time": time.time()}
+            log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
+                     self.last_loss, lr, tau, rec["tokens_per_s"])
+            self.metrics_file.write(json.dumps(rec) + "\n")
+            self.metrics_file.flush()
+            if self.writer is not None:
+                for k in ("loss", "lr", "tau", "tokens_per_s"):
+                    self.writer.add_scalar(f"train/{k}", rec[k], self.step)
+            if getattr(self, "wandb", None) is not None:
+                self.wandb.log(rec, step=self.step)
+
+    def train_loop(self) -> int:
+        cfg, ranks, model = self.cfg, self.ranks, self.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        ends_seen: set[int] = set()
+        while True:
+            t0 = time.perf_counter()
+            with self.stages.time("wait_batch"):
+                batch = self._next_batch(ends_seen)
+            # agree with the other ranks: [ranks with a batch, stop, checkpoint, ranks past the last epoch,
+            # batches trained since resume]
+            all_ended = len({e for e in ends_seen if e < cfg.train.epochs}) >= cfg.train.epochs
+            sync = ranks.sum_(torch.tensor([batch is not None, self.flags.stop,
+                                            self.flags.checkpoint or self.flags.drain, all_ended,
+                                            len(self.trained) - self.resumed_batches], dtype=torch.float64))
+            n_with_batch, stop, want_ckpt = int(sync[0]), bool(sync[1]), bool(sync[2])
+            everyone_ended, trained_total = int(sync[3]) == ranks.world, self.resumed_batches + int(sync[4])
+            if n_with_batch == 0:
+                if everyone_ended:
+                    self.state = "finished"
+                    return self._finish("end of training")
+                if stop:
+                    return self._finish(self.flags.reason or "stop requested")
+                if want_ckpt:
+                    self.checkpoint("requested")
+                    self.flags.checkpoint = False
+                    if self.flags.drain:
+                        self.state, self.flags.paused = "drained", True
+                if self.feed.state == "failed":
+                    raise RuntimeError(f"feed failed: {self.feed.error}")
+                if self.state == "training" and self.feed.state != "streaming":
+                    self.state = self.feed.state
+                continue
+            self.state = "training"
+
+            # forward: anchors -> blocks -> DFlash loss, normalised by all ranks' weight sum
+            out = None
+            with self.stages.time("step"):
+                if batch is not None:
+                    gen = torch.Generator().manual_seed(anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
+                    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), cfg.drafter.max_anchors, gen)
+                    blocks = build_blocks(batch, anchors.to(self.device), cfg.drafter.block_size, self.mask_id,
+                                          self.gamma)
+                    local_w = blocks.weights.sum().detach().double().reshape(1)
+                else:
+                    blocks, local_w = None, torch.zeros(1, dtype=torch.float64)
+                global_w = ranks.sum_(local_w.cpu().clone() if ranks.world > 1 else local_w.cpu())
+                if blocks is not None and float(global_w) > 0:
+                    with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                                        enabled=self.compute_dtype != torch.float32):
+                        out = dflash_loss(model, batch, blocks, cfg.drafter.loss_chunk,
+                                          weight_norm=global_w.to(self.device, torch.float32))
+                    out.loss.backward()
+                self._allreduce_grads(params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip) if params else torch.zeros(())
+                ok = bool(torch.isfinite(grad_norm)) and (out is None or bool(torch.isfinite(out.loss.detach())))
+                finite = ranks.sum_(torch.tensor([float(ok)]))
+                lr = lr_at(min(1.0, trained_total / self.total_batches), cfg)
+                if float(finite) < ranks.world:
+                    self.skipped_steps += 1
+                    self.bad_in_row += 1
+                    log.error("step %d skipped: non-finite loss or gradient (seq %s)", self.step,
+                              batch.seq if batch is not None else "-")
+                else:
+                    self.bad_in_row = 0
+                    for g in self.optimizer.param_groups:
+                        g["lr"] = lr
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            if batch is not None:
+                self._record(batch, out, lr, time.perf_counter() - t0)
+
+            if self.bad_in_row >= cfg.train.max_bad_steps:
+                self.checkpoint("non-finite steps")
+                log.error("%d non-finite steps in a row: checkpointed and stopping. Lower train.lr or inspect the "
+                          "seqs logged above.", self.bad_in_row)
+                return EXIT_BAD_STEPS
+            if self.step % cfg.train.checkpoint_every == 0 or want_ckpt:
+                self.checkpoint("periodic" if not want_ckpt else "requested")
+                self.flags.checkpoint = False
+            if stop:
+                return self._finish(self.flags.reason or "stop requested")
+            if cfg.train.max_steps and self.step >= cfg.train.max_steps:
+                return self._finish("max_steps reached")
+
+    def _allreduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        if self.ranks.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.ranks.sum_(flat)
+        i = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[i:i + n].view_as(p).clone()
+            i += n
+
+    def _finish(self, reason: str) -> int:
+        self.checkpoint(reason)
+        if self.ranks.rank == 0 and self.state == "finished":
+            export_dir = os.path.join(self.out_dir, "export")
+            export_drafter(self.model, export_dir)
+            log.info("exported drafter to %s", export_dir)
+        log.info("trainer stopping (%s) at step %d", reason, self.step)
+        return EXIT_OK
+
+    def close(self) -> None:
+        if getattr(self, "feed", None) is not None:
+            self.feed.close()
+        if self.control is not None:
+            self.control.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.ranks.close()
+
+
+def main(cfg: Config) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s trainer[{os.environ.get('RANK', '0')}] %(levelname)s %(message)s")
+    trainer = Trainer(cfg)
+
+    def _on_term(signum, _frame) -> None:
+        trainer.flags.stop = True
+        trainer.flags.reason = signal.Signals(signum).name
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
+    try:
+        trainer.setup()
+        return trainer.train_loop()
+    except Exception as e:
+        log.exception("trainer failed: %s", e)
+        return EXIT_FAILED
+    finally:
+        trainer.close()

@@ -1,0 +1,146 @@
+"""Which batch seqs the connected trainer still needs, and where each one is on its way.
+
+The target server keeps no durable state. Each trainer session says, in HELLO, which seqs are
+already in its model (`have`); everything else of the epochs it asked for must reach it exactly
+once. A seq moves through
+
+    pending --take--> computing --publish--> READY slot --announce--> assigned --ack--> delivered
+
+and a session that ends (trainer dead, hung, fenced, replaced) leaves READY slots behind for the
+next session and turns its delivered-but-not-held seqs back into pending ones: the next HELLO's
+`have` decides. This module is pure bookkeeping (no ZeroMQ, no rings) so it can be tested alone.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.seqset import SeqSet
+
+
+@dataclass
+class RankPeer:
+    identity: bytes
+    rank: int
+    world: int
+    pid: int
+    start_time: int
+    credit: int
+    last_seen: float
+    in_hand: set[tuple[int, int]] = field(default_factory=set)  # (worker, slot) announced, not yet freed
+
+    @property
+    def free_credit(self) -> int:
+        return self.credit - len(self.in_hand)
+
+
+@dataclass
+class Assignment:
+    worker: int
+    slot: int
+    pub_seq: int
+    seq: int
+    peer: bytes
+
+
+class Dispatcher:
+    """Hands seqs to worker threads in ascending order; thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: deque[int] = deque()
+        self.computing: set[int] = set()
+        self.paused = False
+        self.stopping = False
+
+    def reset(self, seqs: list[int]) -> None:
+        with self._cond:
+            self._pending = deque(sorted(seqs))
+            self._cond.notify_all()
+
+    def pending(self) -> list[int]:
+        with self._cond:
+            return list(self._pending)
+
+    def take(self, timeout: float) -> int | None:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.stopping or (not self.paused and bool(self._pending)), timeout)
+            if not ok or self.stopping:
+                return None
+            seq = self._pending.popleft()
+            self.computing.add(seq)
+            return seq
+
+    def done(self, seq: int) -> None:
+        with self._cond:
+            self.computing.discard(seq)
+            self._cond.notify_all()
+
+    def set_paused(self, paused: bool) -> None:
+        with self._cond:
+            self.paused = paused
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopping = True
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self.computing and (not self._pending or self.paused)
+
+
+@dataclass
+class Session:
+    """One trainer process group, from its first HELLO to its death or fencing."""
+
+    consumer_epoch: int
+    job: str
+    epochs: int
+    have: SeqSet
+    peers: dict[bytes, RankPeer] = field(default_factory=dict)
+    delivered: SeqSet = field(default_factory=SeqSet)
+    committed: SeqSet = field(default_factory=SeqSet)
+    assigned: dict[tuple[int, int], Assignment] = field(default_factory=dict)
+    epochs_ended: set[int] = field(default_factory=set)
+    last_commit_step: int = -1
+
+    def holds(self, seq: int) -> bool:
+        return seq in self.have or seq in self.delivered
+
+
+class EpochPlan:
+    """Dense global seqs: epoch e owns [starts[e], starts[e] + sizes[e])."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = list(sizes)
+        self.starts = [0]
+        for n in self.sizes:
+            self.starts.append(self.starts[-1] + n)
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1]
+
+    def epoch_of(self, seq: int) -> int:
+        for e in range(len(self.sizes)):
+            if seq < self.starts[e + 1]:
+                return e
+        raise ValueError(f"seq {seq} beyond the planned {len(self.sizes)} epochs")
+
+    def seqs(self, epoch: int) -> range:
+        return range(self.starts[epoch], self.starts[epoch + 1])
+
+
+def outstanding(plan: EpochPlan, have: SeqSet, quarantined: SeqSet, in_ring: set[int],
+                computing: set[int]) -> list[int]:
+    """Seqs that must still be computed for a session holding `have`."""
+    todo = []
+    for a, b in have.difference_ranges(0, plan.total):
+        for s in range(a, b):
+            if s not in quarantined and s not in in_ring and s not in computing:
+                todo.append(s)
+    return todo

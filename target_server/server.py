@@ -1,0 +1,492 @@
+"""The target server: long-lived, owns the target GPUs, feeds trainer sessions exactly once.
+
+Threads: one `TargetWorker` per device (forward -> slot -> publish) and this main thread, which
+owns the ZeroMQ ROUTER and all bookkeeping:
+
+    HELLO    -> new or joined session: consumer epoch bumped in every ring, READY slots the
+                trainer already holds discarded, every other missing seq queued for compute
+    ANNOUNCE <- READY slots, oldest seq first, to ranks with free credit
+    ACK      -> shared-memory ack checked (the headers are the truth), seq delivered
+    COMMIT   -> the trainer's checkpoint holds these seqs (status only: HELLO carries the truth)
+    PING/PONG both ways; a rank silent for `lease_s`, or whose pid died, ends the session
+    CONTROL  -> status / pause / resume / drain / shutdown / checkpoint
+
+ZeroMQ is only the doorbell: slot headers are re-scanned on a timer, so a lost message costs
+latency, never a batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from common.channel import RouterChannel
+from common.config import Config
+from common.liveness import pid_alive, process_start_time
+from common.metrics import StageTimes, start_metrics_server
+from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, Reply,
+                             RingInfo, Welcome, next_rid)
+from common.ring import SlotState
+from common.seqset import SeqSet
+
+from .delivery import Assignment, Dispatcher, EpochPlan, RankPeer, Session, outstanding
+from .worker import TargetWorker
+
+log = logging.getLogger(__name__)
+
+
+class TargetServer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.state = "loading"
+        self.started = time.time()
+        self.stages = StageTimes()
+        self.dispatcher = Dispatcher()
+        self.session: Session | None = None
+        self.next_consumer_epoch = 1
+        self.quarantined = SeqSet()
+        self.quarantine_log: list[dict[str, Any]] = []
+        self.computed_ever: set[int] = set()
+        self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0, "recomputed": 0,
+                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0}
+        self.announced_pubs: set[tuple[int, int, int]] = set()
+        self._stop = False
+        self._lock = threading.Lock()          # counters/quarantine touched by worker threads
+        self._ctx = zmq.Context.instance()
+        self._wake_addr = f"inproc://dfpipe-wake-{id(self)}"
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._wake_local = threading.local()
+        self.dataset, self.packer, self.plan, self.target_info = None, None, EpochPlan([]), {}
+        self.workers: list[TargetWorker] = []
+        self.channel: RouterChannel | None = None
+
+    # ---- wiring --------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        """Wake the main loop from a worker thread (one PUSH socket per thread: zmq sockets are not thread-safe)."""
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_addr)
+            self._wake_local.sock = sock
+        try:
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the main loop is already behind on wake-ups; it will re-scan anyway
+
+    def _on_quarantine(self, seq: int, reason: str) -> None:
+        with self._lock:
+            self.quarantined.add(seq)
+            self.counters["quarantined"] += 1
+            self.quarantine_log.append({"seq": seq, "reason": reason})
+        log.error("batch seq %d quarantined, not published: %s", seq, reason)
+
+    def _load_data(self) -> None:
+        from .data import ensure_prepared
+        from .packer import Packer
+        self.dataset = ensure_prepared(self.cfg)
+        self.packer = Packer(self.dataset.lengths, self.cfg.data.token_budget, self.cfg.data.seed)
+        self._plan_epochs(1)
+
+    def _plan_epochs(self, epochs: int) -> None:
+        if epochs > len(self.plan.sizes):
+            self.plan = EpochPlan(self.packer.epoch_sizes(epochs))
+
+    def _load_runner(self, device: str):
+        from .target import TargetRunner
+        from .tiny import resolve_target
+        t = self.cfg.target
+        path = resolve_target(self.cfg.resolve(t.model), self.cfg.resolve(t.cache_dir),
+                              tokenizer_dir=self.cfg.resolve(t.tokenizer) or None)
+        return TargetRunner.load(path, device=device, dtype=t.dtype, layer_ids=t.layer_ids or None,
+                                 num_capture_layers=t.num_capture_layers)
+
+    def start(self) -> None:
+        t = self.cfg.target
+        if t.triton_cache_dir:
+            os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
+        self.channel = RouterChannel(self.cfg.service.target_endpoint,
+                                     hwm=max(64, 4 * self.cfg.ring.slots * len(t.devices)),
+                                     max_bytes=self.cfg.service.max_message_bytes)
+        start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
+        with self.stages.time("data_prepare"):
+            self._load_data()
+        self.dispatcher.reset(list(self.plan.seqs(0)))  # prefetch epoch 0 before any trainer connects
+        for i, device in enumerate(t.devices):
+            w = TargetWorker(i, device, self.cfg, self._load_runner, self.dataset, self.packer, self.dispatcher,
+                             self._notify, self._on_quarantine, self.stages)
+            self.workers.append(w)
+            w.start()
+
+    # ---- status --------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        rings = []
+        for w in self.workers:
+            counts = {s.name: 0 for s in SlotState}
+            if w.ring is not None:
+                for info in w.ring.slots():
+                    counts[info.state.name] += 1
+            rings.append({"worker": w.worker, "device": w.device, "state": w.state,
+                          "path": w.ring.path if w.ring else "", "slots": counts})
+        s = self.session
+        with self._lock:
+            counters = dict(self.counters)
+            quarantined = len(self.quarantined)
+        counters["bad_messages"] = sum(self.channel.bad_messages.values()) if self.channel else 0
+        return {
+            "pid": os.getpid(),
+            "state": self.state,
+            "uptime_s": round(time.time() - self.started, 3),
+            "model_loads": max((w.model_loads for w in self.workers), default=0),
+            "workers": len(self.workers),
+            "ring": rings,
+            "consumer_epoch": s.consumer_epoch if s else self.next_consumer_epoch - 1,
+            "batches": {"produced": sum(w.batches for w in self.workers), "acked": counters["acked"],
+                        "redelivered": counters["redelivered"], "recomputed": counters["recomputed"],
+                        "quarantined": quarantined, "discarded": counters["discarded"]},
+            "tokens": sum(w.tokens for w in self.workers),
+            "epoch_sizes": self.plan.sizes,
+            "pending": len(self.dispatcher.pending()),
+            "computing": len(self.dispatcher.computing),
+            "session": None if s is None else {
+                "job": s.job, "ranks": sorted(p.rank for p in s.peers.values()), "epochs": s.epochs,
+                "have": len(s.have), "delivered": len(s.delivered), "committed": len(s.committed),
+                "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned)},
+            "sessions": counters["sessions"], "fenced": counters["fenced"],
+            "bad_messages": counters["bad_messages"],
+            "stages": self.stages.snapshot(),
+        }
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def _ring_ready(self) -> list[tuple[TargetWorker, Any]]:
+        out = []
+        for w in self.workers:
+            if w.ring is not None:
+                out.extend((w, info) for info in w.ring.ready())
+        return out
+
+    def _end_session(self, reason: str) -> None:
+        s = self.session
+        if s is None:
+            return
+        log.warning("trainer session %s (consumer epoch %d) ended: %s", s.job, s.consumer_epoch, reason)
+        for peer in s.peers.values():
+            self.channel.send(peer.identity, Fenced(consumer_epoch=s.consumer_epoch, reason=reason))
+        self.session = None
+        self.counters["fenced"] += 1
+        # Fence first: from here on, acks written under the old epoch can free nothing.
+        self.next_consumer_epoch += 1
+        for w in self.workers:
+            if w.ring is not None:
+                w.ring.set_consumer_epoch(self.next_consumer_epoch - 1)
+
+    def _start_session(self, hello: Hello, peer: bytes) -> Session:
+        epoch = self.next_consumer_epoch
+        self.next_consumer_epoch += 1
+        for w in self.workers:
+            if w.ring is not None:
+                w.ring.set_consumer_epoch(epoch)
+        self._plan_epochs(hello.epochs)
+        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy())
+        self.session = s
+        self.counters["sessions"] += 1
+        self._replan()
+        log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
+                 hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], len(self.dispatcher.pending()))
+        return s
+
+    def _replan(self) -> None:
+        """Queue every seq the session still needs that is neither in a slot nor being computed."""
+        s = self.session
+        in_ring = set()
+        for w, info in self._ring_ready():
+            seq = int(info.meta["seq"])
+            if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
+                if w.ring.discard(info.index, info.pub_seq):
+                    self.counters["discarded"] += 1
+            else:
+                in_ring.add(seq)
+        plan = EpochPlan(self.plan.sizes[: s.epochs])
+        todo = outstanding(plan, SeqSet.union_of(s.have, s.delivered), self.quarantined, in_ring,
+                           set(self.dispatcher.computing))
+        self.dispatcher.reset(todo)
+
+    def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        s = self.session
+        if s is not None and s.job != msg.job:
+            alive = [p for p in s.peers.values() if self._peer_alive(p)]
+            if alive:
+                self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
+                                              error=f"another trainer session ({s.job}, pid {alive[0].pid}) is active"))
+                return
+            self._end_session("replaced by a new trainer session")
+            s = None
+        if s is None:
+            s = self._start_session(msg, peer)
+        elif msg.epochs > s.epochs or not msg.have.issubset(SeqSet.union_of(s.have, s.delivered)):
+            # A rank that joined late knows more (its have set is the union of the group's): widen.
+            s.have.update(msg.have)
+            s.epochs = max(s.epochs, msg.epochs)
+            self._plan_epochs(s.epochs)
+            self._replan()
+        known = s.peers.get(peer)
+        if known is not None:
+            # A rank that says HELLO again lost track of what it was announced: hand it out afresh
+            # (a slot it already acked is freed by its shared-memory ack and counts as delivered).
+            for key in known.in_hand:
+                s.assigned.pop(key, None)
+        s.peers[peer] = RankPeer(identity=peer, rank=msg.rank, world=msg.world, pid=msg.pid,
+                                 start_time=msg.start_time, credit=msg.credit, last_seen=time.monotonic())
+        rings = [RingInfo(worker=w.worker, path=w.ring.path, slot_count=w.ring.slot_count,
+                          slot_size=w.ring.slot_size, producer_epoch=w.ring.producer_epoch)
+                 for w in self.workers if w.ring is not None]
+        ready = sorted(int(info.meta["seq"]) for _, info in self._ring_ready())
+        self.channel.send(peer, Welcome(rid=msg.rid, consumer_epoch=s.consumer_epoch, rings=rings,
+                                        target=self.target_info, epoch_sizes=self.plan.sizes[: s.epochs],
+                                        ready=ready))
+        self._announce()
+
+    def _peer_alive(self, p: RankPeer) -> bool:
+        if time.monotonic() - p.last_seen > self.cfg.service.lease_s:
+            return False
+        if self.cfg.service.target_endpoint.startswith("ipc://"):
+            return pid_alive(p.pid, p.start_time)
+        return True
+
+    def _announce(self) -> None:
+        s = self.session
+        if s is None or self.state not in ("serving", "paused", "draining", "drained"):
+            return
+        ready = sorted(self._ring_ready(), key=lambda wi: int(wi[1].meta["seq"]))
+        peers = sorted(s.peers.values(), key=lambda p: p.rank)
+        for w, info in ready:
+            key = (w.worker, info.index)
+            seq = int(info.meta["seq"])
+            if key in s.assigned:
+                continue
+            if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
+                if w.ring.discard(info.index, info.pub_seq):
+                    self.counters["discarded"] += 1
+                continue
+            candidates = [p for p in peers if p.free_credit > 0]
+            if not candidates:
+                break
+            peer = min(candidates, key=lambda p: (len(p.in_hand), p.rank))
+            msg = Announce(consumer_epoch=s.consumer_epoch, worker=w.worker, slot=info.index,
+                           pub_seq=info.pub_seq, seq=seq, epoch=self.plan.epoch_of(seq))
+            if not self.channel.send(peer.identity, msg):
+                continue
+            s.assigned[key] = Assignment(w.worker, info.index, info.pub_seq, seq, peer.identity)
+            peer.in_hand.add(key)
+            self.counters["announced"] += 1
+            pub = (w.worker, w.ring.producer_epoch, info.pub_seq)
+            if pub in self.announced_pubs:
+                self.counters["redelivered"] += 1
+            self.announced_pubs.add(pub)
+
+    def _sync_deliveries(self) -> None:
+        """Assigned slots that left READY were acked (the shared-memory ack is the truth)."""
+        s = self.session
+        if s is None:
+            return
+        for w in self.workers:
+            if w.ring is not None:
+                w.ring.reclaim()
+        current = {}
+        for w in self.workers:
+            if w.ring is not None:
+                for info in w.ring.slots():
+                    current[(w.worker, info.index)] = info
+        for key, a in list(s.assigned.items()):
+            info = current.get(key)
+            if info is not None and info.state == SlotState.READY and info.pub_seq == a.pub_seq:
+                continue
+            del s.assigned[key]
+            peer = s.peers.get(a.peer)
+            if peer is not None:
+                peer.in_hand.discard(key)
+            s.delivered.add(a.seq)
+            self.counters["acked"] += 1
+        self._end_epochs()
+
+    def _end_epochs(self) -> None:
+        s = self.session
+        held = SeqSet.union_of(s.have, s.delivered, self.quarantined)
+        for e in range(s.epochs):
+            if e in s.epochs_ended:
+                continue
+            r = self.plan.seqs(e)
+            if held.difference_ranges(r.start, r.stop):
+                break  # epochs end in order
+            s.epochs_ended.add(e)
+            for p in s.peers.values():
+                self.channel.send(p.identity, EpochEnd(consumer_epoch=s.consumer_epoch, epoch=e))
+
+    def _on_ack(self, peer: bytes, msg: Ack) -> None:
+        s = self.session
+        if s is None or msg.consumer_epoch != s.consumer_epoch:
+            self.channel.send(peer, Fenced(consumer_epoch=msg.consumer_epoch,
+                                           reason="ack for a session that has ended"))
+            return
+        self._touch(peer)
+        self._sync_deliveries()
+        self._announce()
+
+    def _on_commit(self, peer: bytes, msg: Commit) -> None:
+        s = self.session
+        if s is None or msg.consumer_epoch != s.consumer_epoch:
+            self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={}, error="fenced: session has ended"))
+            return
+        self._touch(peer)
+        s.committed = msg.have.copy()
+        s.last_commit_step = msg.step
+        self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": len(s.committed)}, error=""))
+
+    def _touch(self, peer: bytes) -> None:
+        if self.session is not None and peer in self.session.peers:
+            self.session.peers[peer].last_seen = time.monotonic()
+
+    # ---- control -------------------------------------------------------------------------------
+    def _on_control(self, peer: bytes, msg: Control) -> None:
+        ok, result, error = True, {}, ""
+        if msg.cmd == "status":
+            result = self.status()
+        elif msg.cmd == "pause":
+            self.dispatcher.set_paused(True)
+            self.state = "paused" if self.state == "serving" else self.state
+        elif msg.cmd == "resume":
+            self.dispatcher.set_paused(False)
+            if self.state in ("paused", "draining", "drained"):
+                self.state = "serving"
+        elif msg.cmd == "drain":
+            self.dispatcher.set_paused(True)
+            self.state = "draining"
+        elif msg.cmd == "shutdown":
+            self._stop = True
+        elif msg.cmd == "checkpoint":
+            ok, error = False, "the target server keeps no durable state; checkpoint the trainer (dfpipe ctl trainer checkpoint)"
+        result.setdefault("state", self.state)
+        self.channel.send(peer, Reply(rid=msg.rid, ok=ok, result=result, error=error))
+
+    # ---- main loop -----------------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        for w in self.workers:
+            if w.error is not None:
+                raise RuntimeError(f"target worker {w.worker} on {w.device} failed: {w.error!r}") from w.error
+        if self.state in ("loading", "warming"):
+            states = {w.state for w in self.workers}
+            if states == {"serving"}:
+                w0 = self.workers[0]
+                r = w0.runner
+                self.target_info = {"model_path": r.model_path, "hidden_size": r.hidden_size,
+                                    "num_layers": r.num_layers, "layer_ids": list(r.layer_ids),
+                                    "vocab_size": r.vocab_size, "dtype": str(r.dtype).replace("torch.", ""),
+                                    "epoch_samples": len(self.dataset),
+                                    "token_budget": self.cfg.data.token_budget}
+                self.state = "serving"
+                log.info("serving: %d worker(s), rings %s", len(self.workers), [w.ring.path for w in self.workers])
+            elif "warming" in states:
+                self.state = "warming"
+
+    def _check_liveness(self, now: float) -> None:
+        s = self.session
+        if s is None:
+            return
+        for p in list(s.peers.values()):
+            if not self._peer_alive(p):
+                self._end_session(f"rank {p.rank} (pid {p.pid}) is dead or silent for {self.cfg.service.lease_s}s")
+                return
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
+        self.start()
+        poller = zmq.Poller()
+        poller.register(self.channel.socket, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        svc = self.cfg.service
+        last_scan = last_ping = 0.0
+        try:
+            while not self._stop:
+                events = dict(poller.poll(int(svc.rescan_s * 1000)))
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._check_workers()
+                if self.channel.socket in events:
+                    for peer, msg in self.channel.poll(0):
+                        self._dispatch(peer, msg)
+                now = time.monotonic()
+                if now - last_scan >= svc.rescan_s or self._wake_pull in events:
+                    last_scan = now
+                    for w in self.workers:
+                        if w.ring is not None:
+                            w.ring.heartbeat()
+                    self._sync_deliveries()
+                    self._announce()
+                    if self.state == "draining" and self.dispatcher.idle() and (
+                            self.session is None or not self._ring_ready()):
+                        self.state = "drained"
+                if now - last_ping >= svc.heartbeat_s:
+                    last_ping = now
+                    self._ping()
+                    self._check_liveness(now)
+        finally:
+            self.shutdown()
+        return 0
+
+    def _ping(self) -> None:
+        s = self.session
+        if s is None:
+            return
+        for p in s.peers.values():
+            self.channel.send(p.identity, Ping(rid=next_rid(), t=time.time()))
+
+    def _dispatch(self, peer: bytes, msg: Any) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(peer, msg)
+        elif isinstance(msg, Ack):
+            self._on_ack(peer, msg)
+        elif isinstance(msg, Commit):
+            self._on_commit(peer, msg)
+        elif isinstance(msg, Ping):
+            self._touch(peer)
+            self.channel.send(peer, Pong(rid=msg.rid, t=msg.t))
+        elif isinstance(msg, Pong):
+            self._touch(peer)
+        elif isinstance(msg, Control):
+            self._on_control(peer, msg)
+        else:
+            log.warning("unexpected %s from a peer; dropped", type(msg).__name__)
+            self.counters["bad_messages"] += 1
+
+    def shutdown(self) -> None:
+        self.state = "stopping"
+        self.dispatcher.stop()
+        for w in self.workers:
+            w.stop()
+        for w in self.workers:
+            w.join(timeout=30)
+            w.close()
+        if self.channel is not None:
+            self.channel.close()
+        self._wake_pull.close(0)
+
+
+def main(cfg: Config) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
+    server = TargetServer(cfg)
+    try:
+        return server.run()
+    except Exception as e:
+        log.error("target server failed: %s", e)
+        return 1

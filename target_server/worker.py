@@ -1,0 +1,317 @@
+"""One target worker: a device, its frozen target, its ring. Turns seqs into published slots.
+
+    dispatcher.take() -> seq -> packer + dataset -> packed tokens -> target.capture -> audit
+                      -> slot tensors -> publish (READY) -> main thread announces it
+
+CPU: the forward writes straight into the slot's `hidden` view (no extra copy).
+CUDA: the forward writes into one of two device staging buffers; a publisher thread copies the
+planes into the registered slot on its own stream, waits for that copy's event and only then
+publishes. The forward stream never waits for the copy, and a staging buffer is reused only after
+the copy out of it completed (the race that gave other pipelines NaN losses).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.batch import TOKEN_TENSORS, slot_tensor_specs
+from common.metrics import StageTimes
+from common.ring import ProducerRing, slot_bytes
+
+from .delivery import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AuditResult:
+    ok: bool
+    reason: str = ""
+
+
+def audit_hidden(hidden: torch.Tensor, doc_lens: np.ndarray, max_rms: float) -> AuditResult:
+    """Cheap checks on every batch: finite, no all-zero token rows, row RMS in range."""
+    h = hidden.float()
+    if not bool(torch.isfinite(h).all()):
+        return AuditResult(False, "non-finite values in captured hidden states")
+    rms = h.pow(2).mean(dim=-1).sqrt()              # [k, T]
+    zero_rows = int((rms == 0).sum())
+    if zero_rows:
+        return AuditResult(False, f"{zero_rows} all-zero captured rows")
+    peak = float(rms.max())
+    if peak > max_rms:
+        return AuditResult(False, f"captured row RMS {peak:.3g} above {max_rms:.3g}")
+    return AuditResult(True)
+
+
+class TargetWorker(threading.Thread):
+    """Loads the target on its device, warms it up, then serves seqs until stopped."""
+
+    def __init__(self, worker: int, device: str, cfg, load_runner: Callable[[str], object],
+                 dataset, packer, dispatcher: Dispatcher, notify: Callable[[], None],
+                 on_quarantine: Callable[[int, str], None], stages: StageTimes) -> None:
+        super().__init__(name=f"target-worker-{worker}", daemon=True)
+        self.worker = worker
+        self.device = device
+        self.cfg = cfg
+        self._load_runner = load_runner
+        self.dataset = dataset
+        self.packer = packer
+        self.dispatcher = dispatcher
+        self.notify = notify
+        self.on_quarantine = on_quarantine
+        self.stages = stages
+        self.runner = None
+        self.ring: ProducerRing | None = None
+        self.state = "loading"
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.model_loads = 0
+        self.batches = 0
+        self.tokens = 0
+        self._stop = threading.Event()
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def slot_size(self) -> int:
+        budget = self.cfg.data.token_budget
+        specs = slot_tensor_specs(budget, budget, len(self.runner.layer_ids), self.runner.hidden_size,
+                                  self.runner.dtype)
+        return slot_bytes(specs)
+
+    def _setup(self) -> None:
+        t0 = time.perf_counter()
+        self.runner = self._load_runner(self.device)
+        self.model_loads += 1
+        self.stages.add("load", time.perf_counter() - t0)
+        r = self.cfg.ring
+        self.ring = ProducerRing.create(r.shm_dir, r.name, self.worker, r.slots, self.slot_size(),
+                                        cuda_register=r.cuda_register)
+        self.state = "warming"
+        if self.cfg.target.warmup:
+            self._warmup()
+        self.state = "serving"
+
+    def _warmup(self) -> None:
+        """Run the fixed token-budget shape once, before any trainer connects (Triton autotune)."""
+        t0 = time.perf_counter()
+        budget = self.cfg.data.token_budget
+        doc = min(budget, self.cfg.data.max_len)
+        lens = [doc] * (budget // doc) + ([budget % doc] if budget % doc else [])
+        doc_lens = torch.tensor(lens, dtype=torch.int32)
+        ids = torch.randint(0, self.runner.vocab_size, (budget,), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        self.runner.capture(ids, pos, doc_lens)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        self.stages.add("warmup", time.perf_counter() - t0)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._setup()
+            self.ready.set()
+            if self.runner.device.type == "cuda":
+                self._serve_cuda()
+            else:
+                self._serve_cpu()
+        except BaseException as e:  # the main thread reports it and exits non-zero
+            log.exception("target worker %d failed", self.worker)
+            self.error = e
+            self.state = "failed"
+            self.ready.set()
+            self.notify()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _next_seq(self) -> int | None:
+        with self.stages.time("idle"):
+            return self.dispatcher.take(timeout=0.2)
+
+    def _pack(self, seq: int) -> dict[str, np.ndarray]:
+        with self.stages.time("data"):
+            from .packer import build_packed
+            return build_packed(self.dataset, self.packer.batch(seq))
+
+    def _meta(self, seq: int, arrays: dict[str, np.ndarray]) -> dict:
+        return {"seq": seq, "epoch": self.packer.locate(seq)[0], "num_tokens": int(arrays["input_ids"].shape[0]),
+                "layer_ids": list(self.runner.layer_ids), "worker": self.worker}
+
+    def _audit(self, seq: int, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> bool:
+        with self.stages.time("audit"):
+            result = audit_hidden(hidden, arrays["doc_lens"], self.cfg.target.max_hidden_norm)
+            every = self.cfg.target.audit_every
+            if result.ok and every and self.batches % every == 0:
+                result = self._audit_unpacked(hidden, arrays)
+        if not result.ok:
+            self.on_quarantine(seq, result.reason)
+        return result.ok
+
+    def _audit_unpacked(self, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> AuditResult:
+        """Recompute the last document alone and compare: catches packing leaks at run time."""
+        n = int(arrays["doc_lens"][-1])
+        ids = torch.from_numpy(arrays["input_ids"][-n:].astype(np.int64))
+        alone = self.runner.capture_unpacked(ids).float().cpu()
+        packed = hidden[:, -n:].float().cpu()
+        err = float((alone - packed).abs().max() / alone.abs().max().clamp_min(1e-6))
+        if err > self.cfg.target.audit_tolerance:
+            return AuditResult(False, f"packed != unpacked recompute (relative error {err:.3g})")
+        return AuditResult(True)
+
+    def _write_tokens(self, slot, arrays: dict[str, np.ndarray]) -> None:
+        for name in TOKEN_TENSORS:
+            view = slot.tensor(name, TOKEN_TENSORS[name], tuple(arrays[name].shape))
+            view.copy_(torch.from_numpy(arrays[name]))
+
+    def _hidden_view(self, slot, num_tokens: int) -> torch.Tensor:
+        k, h = len(self.runner.layer_ids), self.runner.hidden_size
+        return slot.tensor("hidden", self.runner.dtype, (k, num_tokens, h))
+
+    def _published(self, seq: int, num_tokens: int) -> None:
+        self.batches += 1
+        self.tokens += num_tokens
+        self.dispatcher.done(seq)
+        self.notify()
+
+    def _serve_cpu(self) -> None:
+        while not self._stop.is_set():
+            seq = self._next_seq()
+            if seq is None:
+                continue
+            arrays = self._pack(seq)
+            t = int(arrays["input_ids"].shape[0])
+            published = False
+            try:
+                with self.stages.time("ring_full_wait"):
+                    ctx = self._acquire()
+                    if ctx is None:
+                        break
+                with ctx as slot:
+                    hidden = self._hidden_view(slot, t)
+                    with self.stages.time("forward"):
+                        self.runner.capture(torch.from_numpy(arrays["input_ids"]),
+                                            torch.from_numpy(arrays["position_ids"]),
+                                            torch.from_numpy(arrays["doc_lens"]), out=hidden)
+                    if self._audit(seq, hidden, arrays):
+                        self._write_tokens(slot, arrays)
+                        with self.stages.time("publish"):
+                            slot.publish(self._meta(seq, arrays))
+                        published = True
+            finally:
+                if published:
+                    self._published(seq, t)
+                else:
+                    self.dispatcher.done(seq)
+
+    def _acquire(self):
+        """A slot context, waiting through a full ring; None when the worker is stopping."""
+        while not self._stop.is_set():
+            cm = self.ring.acquire(timeout=0.5)
+            try:
+                slot = cm.__enter__()
+            except TimeoutError:
+                continue
+            return _Entered(cm, slot)
+        return None
+
+    def _serve_cuda(self) -> None:
+        device = self.runner.device
+        k, h, budget = len(self.runner.layer_ids), self.runner.hidden_size, self.cfg.data.token_budget
+        staging = [torch.empty(k * budget * h, dtype=self.runner.dtype, device=device) for _ in range(2)]
+        free_staging: queue.Queue[int] = queue.Queue()
+        for i in range(len(staging)):
+            free_staging.put(i)
+        work: queue.Queue = queue.Queue(maxsize=len(staging))
+        copy_stream = torch.cuda.Stream(device=device)
+        publisher = threading.Thread(target=self._publish_cuda, name=f"publisher-{self.worker}",
+                                     args=(work, staging, free_staging, copy_stream), daemon=True)
+        publisher.start()
+        try:
+            while not self._stop.is_set():
+                seq = self._next_seq()
+                if seq is None:
+                    continue
+                arrays = self._pack(seq)
+                t = int(arrays["input_ids"].shape[0])
+                with self.stages.time("staging_wait"):
+                    buf = free_staging.get()
+                out = staging[buf][: k * t * h].view(k, t, h)
+                with self.stages.time("forward_launch"):
+                    with torch.cuda.device(device):
+                        self.runner.capture(torch.from_numpy(arrays["input_ids"]),
+                                            torch.from_numpy(arrays["position_ids"]),
+                                            torch.from_numpy(arrays["doc_lens"]), out=out)
+                        forward_done = torch.cuda.Event()
+                        forward_done.record()
+                work.put((seq, arrays, buf, out, forward_done))
+        finally:
+            work.put(None)
+            publisher.join()
+
+    def _publish_cuda(self, work: queue.Queue, staging: list[torch.Tensor], free_staging: queue.Queue,
+                      copy_stream: torch.cuda.Stream) -> None:
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            seq, arrays, buf, out, forward_done = item
+            t = out.shape[1]
+            published = False
+            try:
+                forward_done.synchronize()  # the audit reads the staging buffer; the forward thread is not blocked
+                ok = self._audit(seq, out, arrays)
+                if ok:
+                    with self.stages.time("ring_full_wait"):
+                        ctx = self._acquire()
+                    if ctx is None:
+                        return
+                    with ctx as slot:
+                        hidden = self._hidden_view(slot, t)
+                        with self.stages.time("copy"):
+                            with torch.cuda.stream(copy_stream):
+                                copy_stream.wait_event(forward_done)
+                                hidden.copy_(out, non_blocking=True)
+                                copied = torch.cuda.Event()
+                                copied.record(copy_stream)
+                            self._write_tokens(slot, arrays)
+                            copied.synchronize()
+                        with self.stages.time("publish"):
+                            slot.publish(self._meta(seq, arrays))
+                        published = True
+            except BaseException as e:
+                log.exception("publisher of worker %d failed", self.worker)
+                self.error = e
+                self._stop.set()
+                self.dispatcher.done(seq)
+                return
+            finally:
+                free_staging.put(buf)
+            if published:
+                self._published(seq, t)
+            else:
+                self.dispatcher.done(seq)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close(unlink=True)
+            self.ring = None
+
+
+class _Entered:
+    """An already-entered slot context, re-usable in a `with` statement."""
+
+    def __init__(self, cm, slot) -> None:
+        self._cm, self._slot = cm, slot
+
+    def __enter__(self):
+        return self._slot
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._cm.__exit__(*exc)
