@@ -191,6 +191,9 @@ def validate(cfg: Config) -> Config:
     need(bool(cfg.ring.name) and "/" not in cfg.ring.name, "ring.name: a non-empty name without '/'")
     need(cfg.data.token_budget >= 16, "data.token_budget: at least 16 tokens")
     need(cfg.data.max_len >= 2, "data.max_len: at least 2 tokens")
+    need(cfg.data.max_len <= cfg.data.token_budget,
+         f"data.max_len ({cfg.data.max_len}) must not exceed data.token_budget ({cfg.data.token_budget}): "
+         "a document never spans two batches")
     need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
     need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")
     need(bool(cfg.target.devices), "target.devices: at least one device")

@@ -77,10 +77,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from target_server.data import prepare_data
-    report = prepare_data(args.input, args.tokenizer, args.out, max_len=args.max_len, overlong=args.overlong)
-    print(report.summary())
-    return 0
+    from target_server.data import main as prepare_main
+    argv = ["--jsonl", args.input, "--tokenizer", args.tokenizer, "--out", args.out,
+            "--max-len", str(args.max_len), "--overlong", args.overlong]
+    if args.chat_template:
+        argv += ["--chat-template", args.chat_template]
+    return prepare_main(argv)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -160,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--max-len", type=int, default=3072)
     p.add_argument("--overlong", choices=["truncate", "split", "skip"], default="truncate")
+    p.add_argument("--chat-template", default="",
+                   help="Jinja chat template file with {% generation %} markers (for tokenizers whose own lacks them)")
     p.set_defaults(fn=cmd_prepare_data)
 
     p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")

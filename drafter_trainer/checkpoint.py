@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.faults import fault_point
 from common.seqset import SeqSet
 
 PREFIX = "step-"
@@ -60,6 +61,7 @@ def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[s
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    fault_point("checkpoint.before_rename")
     if os.path.exists(final):  # same step saved twice (e.g. SIGTERM right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)

@@ -42,6 +42,7 @@ class Assignment:
     pub_seq: int
     seq: int
     peer: bytes
+    sent_at: float = 0.0
 
 
 class Dispatcher:

@@ -65,6 +65,7 @@ class TargetServer:
         self.dataset, self.packer, self.plan, self.target_info = None, None, EpochPlan([]), {}
         self.workers: list[TargetWorker] = []
         self.channel: RouterChannel | None = None
+        self._announce_retry_s = max(2.0, 4 * cfg.service.rescan_s)
 
     # ---- wiring --------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -269,6 +270,13 @@ class TargetServer:
             key = (w.worker, info.index)
             seq = int(info.meta["seq"])
             if key in s.assigned:
+                a = s.assigned[key]
+                if time.monotonic() - a.sent_at > self._announce_retry_s and a.pub_seq == info.pub_seq:
+                    # ZeroMQ is only the doorbell: an announcement may be lost; the rank ignores repeats
+                    self.channel.send(a.peer, Announce(consumer_epoch=s.consumer_epoch, worker=w.worker,
+                                                       slot=info.index, pub_seq=info.pub_seq, seq=a.seq,
+                                                       epoch=self.plan.epoch_of(a.seq)))
+                    a.sent_at = time.monotonic()
                 continue
             if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
                 if w.ring.discard(info.index, info.pub_seq):
@@ -282,7 +290,7 @@ class TargetServer:
                            pub_seq=info.pub_seq, seq=seq, epoch=self.plan.epoch_of(seq))
             if not self.channel.send(peer.identity, msg):
                 continue
-            s.assigned[key] = Assignment(w.worker, info.index, info.pub_seq, seq, peer.identity)
+            s.assigned[key] = Assignment(w.worker, info.index, info.pub_seq, seq, peer.identity, time.monotonic())
             peer.in_hand.add(key)
             self.counters["announced"] += 1
             pub = (w.worker, w.ring.producer_epoch, info.pub_seq)

@@ -1,0 +1,127 @@
+"""Helpers for end-to-end tests: real service processes on a tiny config, driven over ctl."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.channel import RequestTimeout, request
+from common.protocol import Control, Reply, next_rid
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo"
+CACHE = REPO / ".cache" / "dfpipe-tests"   # built-in tiny target, shared by tests and runs
+
+
+def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:
+    """A small config: the first `samples` demo chats, a tiny target, a 1-layer drafter."""
+    tag = uuid.uuid4().hex[:8]
+    lines = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:samples]
+    (tmp / "chat.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    sock = f"/tmp/dfpt-{tag}"
+    os.makedirs(sock, exist_ok=True)
+    cfg: dict[str, dict[str, Any]] = {
+        "ring": {"name": f"dfpt-{tag}", "slots": 3},
+        "data": {"train_path": str(tmp / "chat.jsonl"), "token_budget": 512, "max_len": 512, "seed": 0},
+        "target": {"model": "builtin:tiny-qwen3.5", "tokenizer": str(DEMO / "tokenizer"),
+                   "cache_dir": str(CACHE), "devices": ["cpu"], "audit_every": 10},
+        "drafter": {"num_layers": 1, "block_size": 8, "max_anchors": 32},
+        "train": {"out_dir": str(tmp / "run"), "epochs": 1, "lr": 1e-3, "checkpoint_every": 3,
+                  "keep_checkpoints": 2, "log_every": 1, "tensorboard": False},
+        "service": {"target_endpoint": f"ipc://{sock}/target.sock", "trainer_endpoint": f"ipc://{sock}/trainer.sock",
+                    "heartbeat_s": 0.3, "lease_s": 3.0, "rescan_s": 0.1, "request_timeout_s": 1.0},
+    }
+    for name, values in sections.items():
+        cfg[name].update(values)
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+class Service:
+    """One `dfpipe <role>` process in its own process group, logging to a file."""
+
+    def __init__(self, role: str, config: Path, log_dir: Path, env: dict[str, str] | None = None,
+                 overrides: list[str] | None = None) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
+        cmd = [sys.executable, "-m", "dfpipe", role, "-c", str(config)]
+        for o in overrides or []:
+            cmd += ["--set", o]
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.role} did not exit within {timeout}s; log:\n{self.log()}") from None
+
+    def log(self, tail: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-tail:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                self.kill9()
+
+
+def ctl(endpoint: str, cmd: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    try:
+        reply = request(endpoint, Control(rid=next_rid(), cmd=cmd, args={}), timeout_s=timeout, retries=0)
+    except RequestTimeout:
+        return None
+    assert isinstance(reply, Reply)
+    return reply.result if reply.ok else {"error": reply.error}
+
+
+def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def inspect_run(config: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "dfpipe", "inspect", "-c", str(config), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

@@ -1,0 +1,139 @@
+"""End to end with real processes: restart the trainer (kill -9, mid-checkpoint, graceful, new
+hyper-parameters) and the target server; every sample of the epoch lands in the saved model
+exactly once and the target is never reloaded by a trainer restart."""
+from __future__ import annotations
+
+import glob
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e import Service, ctl, inspect_run, load, wait_for, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def _serving(endpoint: str):
+    s = ctl(endpoint, "status")
+    return s if s and s.get("state") == "serving" else None
+
+
+def _trained_at_least(endpoint: str, n: int):
+    s = ctl(endpoint, "status")
+    return s if s and s.get("batches_trained", 0) >= n else None
+
+
+def _assert_exactly_once(config: Path) -> dict:
+    info = inspect_run(config)
+    assert info["epoch_samples"] > 0
+    assert info["samples_trained"] == info["epoch_samples"], info
+    assert info["samples_duplicated"] == 0, info
+    return info
+
+
+def _no_ring_files(cfg: dict) -> None:
+    assert glob.glob(f"/dev/shm/{cfg['ring']['name']}.*") == []
+
+
+def test_trainer_killed_repeatedly_still_trains_every_sample_exactly_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cfg = load(config)
+    ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    target = Service("target-server", config, tmp_path)
+    trainers: list[Service] = []
+    try:
+        first = wait_for(lambda: _serving(ep_target), 180, "target serving")
+        rng = random.Random(1234)
+        goal = 0
+        for i in range(6):
+            if i == 2:
+                # dies inside its first checkpoint: state written, not yet renamed into place
+                tr = Service("trainer", config, tmp_path, env={"DFPIPE_FAULT": "checkpoint.before_rename"})
+                trainers.append(tr)
+                assert tr.wait(180) == -signal.SIGKILL, tr.log()
+                continue
+            tr = Service("trainer", config, tmp_path)
+            trainers.append(tr)
+            goal += 3
+            wait_for(lambda: _trained_at_least(ep_trainer, goal), 180, f"trainer past {goal} batches")
+            time.sleep(rng.uniform(0.0, 0.4))
+            assert tr.alive(), f"trainer finished before kill {i}: make the test data larger\n{tr.log()}"
+            tr.kill9()
+        final = Service("trainer", config, tmp_path)
+        trainers.append(final)
+        assert final.wait(300) == 0, final.log()
+        _assert_exactly_once(config)
+        status = ctl(ep_target, "status")
+        assert status["pid"] == first["pid"] == target.pid
+        assert status["model_loads"] == 1
+        assert status["sessions"] >= 7
+        assert status["batches"]["quarantined"] == 0
+    finally:
+        for tr in trainers:
+            tr.stop()
+        target.stop()
+    assert target.proc.returncode == 0, target.log()
+    _no_ring_files(cfg)
+
+
+def test_graceful_shutdown_then_restart_with_new_learning_rate_keeps_exactly_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cfg = load(config)
+    ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    target = Service("target-server", config, tmp_path)
+    services = [target]
+    try:
+        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        tr = Service("trainer", config, tmp_path)
+        services.append(tr)
+        wait_for(lambda: _trained_at_least(ep_trainer, 4), 180, "trainer past 4 batches")
+        assert ctl(ep_trainer, "shutdown") == {"accepted": "shutdown"}
+        assert tr.wait(60) == 0, tr.log()
+        after_stop = inspect_run(config)
+        assert after_stop["samples_duplicated"] == 0 and after_stop["samples_trained"] > 0
+
+        tr2 = Service("trainer", config, tmp_path, overrides=["train.lr=0.0005"])
+        services.append(tr2)
+        wait_for(lambda: _trained_at_least(ep_trainer, after_stop["batches"] + 2), 180, "restarted trainer stepping")
+        tr2.signal(signal.SIGTERM)  # SIGTERM: finish the step, checkpoint, exit 0
+        assert tr2.wait(60) == 0, tr2.log()
+
+        tr3 = Service("trainer", config, tmp_path, overrides=["train.lr=0.0005"])
+        services.append(tr3)
+        assert tr3.wait(300) == 0, tr3.log()
+        _assert_exactly_once(config)
+        assert ctl(ep_target, "status")["model_loads"] == 1
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
+
+
+def test_target_killed_mid_epoch_trainer_waits_and_resumes_with_nothing_lost(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cfg = load(config)
+    ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    target = Service("target-server", config, tmp_path)
+    services = [target]
+    try:
+        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        tr = Service("trainer", config, tmp_path)
+        services.append(tr)
+        wait_for(lambda: _trained_at_least(ep_trainer, 4), 180, "trainer past 4 batches")
+        target.kill9()
+        waiting = wait_for(lambda: (s := ctl(ep_trainer, "status")) and s["state"] == "waiting_for_target" and s,
+                           60, "trainer to report waiting_for_target")
+        assert waiting["pid"] == tr.pid
+        target2 = Service("target-server", config, tmp_path)
+        services.append(target2)
+        assert tr.wait(300) == 0, tr.log() + "\n--- target ---\n" + target2.log()
+        _assert_exactly_once(config)
+        status = ctl(ep_target, "status")
+        assert status["pid"] == target2.pid and status["model_loads"] == 1
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
