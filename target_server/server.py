@@ -29,8 +29,8 @@ from common.channel import RouterChannel
 from common.config import Config
 from common.liveness import pid_alive, process_start_time
 from common.metrics import StageTimes, start_metrics_server
-from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, Reply,
-                             RingInfo, Welcome, next_rid)
+from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError,
+                             Reply, RingInfo, Welcome, next_rid)
 from common.ring import SlotState
 from common.seqset import SeqSet
 
@@ -380,7 +380,12 @@ class TargetServer:
         elif msg.cmd == "checkpoint":
             ok, error = False, "the target server keeps no durable state; checkpoint the trainer (dfpipe ctl trainer checkpoint)"
         result.setdefault("state", self.state)
-        self.channel.send(peer, Reply(rid=msg.rid, ok=ok, result=result, error=error))
+        try:
+            reply = Reply(rid=msg.rid, ok=ok, result=result, error=error)
+        except ProtocolError as e:  # a status field that cannot go on the wire must not stop the server
+            log.exception("control reply for %s not encodable", msg.cmd)
+            reply = Reply(rid=msg.rid, ok=False, result={}, error=f"internal: reply not encodable: {e}")
+        self.channel.send(peer, reply)
 
     # ---- main loop -----------------------------------------------------------------------------
     def _check_workers(self) -> None:

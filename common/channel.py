@@ -1,0 +1,381 @@
+"""ZeroMQ endpoints for the protocol: one ROUTER per server, DEALERs for its clients.
+
+    target server  ROUTER  bind    <-- DEALER  connect   trainer ranks (long-lived session)
+                                   <-- DEALER  connect   `dfpipe ctl`  (one request, `request()`)
+    trainer rank 0 ROUTER  bind    <-- DEALER  connect   `dfpipe ctl`
+
+Framing (no empty delimiter frame, DEALER <-> ROUTER needs none):
+
+    DEALER sends   [payload]                 ROUTER receives [peer identity, payload]
+    ROUTER sends   [peer identity, payload]  DEALER receives [payload]
+
+Anything else (extra frames, a frame that does not decode) is logged, counted in
+`bad_messages[code]` and dropped; a channel never raises for what a peer sent. ZeroMQ is only
+the doorbell: a message dropped here (or by a full queue) costs latency, because both services
+re-scan the shared-memory headers on a timer.
+
+Sends never block: a full queue (high-water mark) or a vanished peer (ROUTER_MANDATORY turns
+"unroutable" into EHOSTUNREACH instead of a silent drop) is a counted drop and `send` returns
+False. A DEALER queues (up to its high-water mark) while the server is not yet, or no longer,
+connected, and delivers once it is; the server treats what arrives late by consumer epoch and
+rid like any other message.
+
+Sockets are not thread-safe: one thread owns a channel. Services that wait on several sockets
+register `channel.socket` with their own zmq.Poller and call `poll(0)` when it is readable.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import socket as pysocket
+import stat
+import time
+
+import zmq
+
+from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
+
+log = logging.getLogger("dfpipe.channel")
+
+DEFAULT_HWM = 1000
+MAX_DRAIN = 1000                 # frames taken per poll() so one chatty peer cannot starve a loop
+_UNIX_PATH_MAX = 107             # sun_path is 108 bytes including the terminating NUL
+_LOG_FIRST = 10                  # log every bad frame of a kind up to this many, then 1 in 1000
+
+
+class ChannelError(RuntimeError):
+    """An endpoint that cannot be bound or connected (bad address, in use, path too long)."""
+
+
+class RequestTimeout(TimeoutError):
+    """`request()` got no matching answer in time."""
+
+
+def _timeout_ms(timeout_s: float) -> int:
+    if not timeout_s >= 0 or timeout_s == float("inf"):  # also rejects NaN
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout_s!r}")
+    return int(timeout_s * 1000 + 0.999)  # round up so a tiny positive timeout still waits
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    """The filesystem path of an ipc:// endpoint (None for other transports or abstract names)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    return None if path.startswith("@") else path
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+        raise ChannelError(f"endpoint {endpoint!r}: expected ipc://PATH, tcp://HOST:PORT or inproc://NAME")
+    path = _ipc_path(endpoint)
+    if path is not None and len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise ChannelError(f"endpoint {endpoint}: ipc path longer than {_UNIX_PATH_MAX} bytes "
+                           "(a kernel limit of unix sockets); use a shorter path")
+
+
+def _refuse_live_ipc(endpoint: str, path: str) -> None:
+    """Raise unless `path` is free or a stale socket file.
+
+    libzmq's bind silently replaces an existing socket file, which would steal the endpoint from
+    a live server. A connect() to the file tells the two apart: a listener accepts, a stale file
+    refuses (ECONNREFUSED). libzmq then replaces the stale file itself."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ChannelError(f"endpoint {endpoint}: {path} exists and is not a socket")
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            log.info("replacing stale socket file %s", path)
+            return
+        raise ChannelError(f"endpoint {endpoint}: cannot probe {path}: {e}") from None
+    finally:
+        probe.close()
+    raise ChannelError(f"endpoint {endpoint} is in use by a live process (is another server running?)")
+
+
+def _common_options(sock: zmq.Socket, hwm: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)  # a closing service must never wait for an absent peer
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """A bound ROUTER socket.
+
+    ROUTER_MANDATORY: sending to a gone peer raises EHOSTUNREACH (counted by RouterChannel)
+    instead of vanishing. ROUTER_HANDOVER: a client reconnecting with an identity still held by a
+    dead or stopped connection takes it over (without it the newcomer would be ignored).
+    MAXMSGSIZE: libzmq disconnects a peer sending a message far over the protocol limit before it
+    is buffered. For ipc:// the parent folder is created and a stale socket file is replaced, but a
+    live one is refused (see `_refuse_live_ipc`). tcp://HOST:* binds a free port: read
+    `RouterChannel.endpoint`."""
+    _check_endpoint(endpoint)
+    path = _ipc_path(endpoint)
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _refuse_live_ipc(endpoint, path)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        _common_options(sock, hwm)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes + 1024)
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        hint = " (address in use: is another server running?)" if e.errno == errno.EADDRINUSE else ""
+        raise ChannelError(f"cannot bind {endpoint}: {e}{hint}") from None
+    return sock
+
+
+def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
+                   immediate: bool = False) -> zmq.Socket:
+    """A DEALER connected (asynchronously: the peer may come up later) to `endpoint`.
+
+    `identity`: how the ROUTER addresses this client; None lets ZeroMQ pick a random one. A
+    long-lived client should include something unique per process (e.g. rank and pid), so a
+    restarted process is never mistaken for its predecessor.
+    `immediate`: False (default) queues up to `hwm` messages while no connection is up and
+    delivers them once the server is there, so a HELLO sent right after connecting is not lost.
+    True (ZMQ_IMMEDIATE) queues nothing for an absent server: sends fail at once instead."""
+    _check_endpoint(endpoint)
+    if identity is not None and not (isinstance(identity, bytes) and 0 < len(identity) <= 255
+                                     and identity[0] != 0):
+        raise ChannelError(f"identity must be 1..255 bytes not starting with NUL, got {identity!r}")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        _common_options(sock, hwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1 if immediate else 0)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise ChannelError(f"cannot connect to {endpoint}: {e}") from None
+    return sock
+
+
+class _Channel:
+    """What both ends share: decoding with the bad-frame policy and drop counters."""
+
+    def __init__(self, sock: zmq.Socket, max_bytes: int) -> None:
+        self.socket = sock
+        self.max_bytes = max_bytes
+        self.bad_messages: collections.Counter[str] = collections.Counter()   # by ProtocolError.code
+        self.dropped_sends: collections.Counter[str] = collections.Counter()  # "full", "gone", "no_peer"
+
+    def fileno(self) -> int:
+        """ZeroMQ's notification fd (edge-triggered: after it fires, drain with poll(0))."""
+        return self.socket.getsockopt(zmq.FD)
+
+    def _drain(self, timeout_s: float) -> list[list[bytes]]:
+        """Wait up to timeout_s for traffic, then take every pending message (up to MAX_DRAIN)."""
+        if not self.socket.poll(_timeout_ms(timeout_s), zmq.POLLIN):
+            return []
+        out = []
+        for _ in range(MAX_DRAIN):
+            try:
+                out.append(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return out
+
+    def _encode(self, msg: Message) -> bytes | None:
+        # Too large for the peer's limit: a sender bug, but a service must not die of it.
+        try:
+            return msg.encode(self.max_bytes)
+        except ProtocolError as e:
+            self.dropped_sends["too_large"] += 1
+            log.error("not sent: %s", e)
+            return None
+
+    def _decode(self, payload: bytes, peer: bytes | None) -> Message | None:
+        try:
+            return decode(payload, self.max_bytes)
+        except ProtocolError as e:
+            self._bad(e.code, f"{e}", peer)
+            return None
+
+    def _bad(self, code: str, detail: str, peer: bytes | None) -> None:
+        self.bad_messages[code] += 1
+        n = self.bad_messages[code]
+        if n <= _LOG_FIRST or n % 1000 == 0:
+            who = f" from {peer!r}" if peer is not None else ""
+            log.warning("dropped bad message%s (%s, #%d): %s", who, code, n, detail)
+
+    def _drop(self, kind: str, detail: str) -> None:
+        self.dropped_sends[kind] += 1
+        n = self.dropped_sends[kind]
+        if n <= _LOG_FIRST or n % 1000 == 0:
+            log.info("send dropped (%s, #%d): %s", kind, n, detail)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class RouterChannel(_Channel):
+    """The server end, bound to `endpoint` (see `bind_router`): many peers, each addressed by
+    its identity. `endpoint` afterwards holds the bound address (the real port for tcp://H:*)."""
+
+    def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        sock = bind_router(endpoint, hwm, max_bytes)
+        super().__init__(sock, max_bytes)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        path = _ipc_path(self.endpoint)
+        # Remember which socket file is ours so close() removes it, and only it (libzmq leaves it).
+        self._ipc_inode = (path, os.stat(path).st_ino) if path and os.path.exists(path) else None
+
+    def poll(self, timeout_s: float) -> list[tuple[bytes, Message]]:
+        """Wait up to timeout_s for traffic, then take every pending frame (up to MAX_DRAIN).
+        Returns (peer identity, message) pairs in arrival order; bad frames are counted, dropped."""
+        out: list[tuple[bytes, Message]] = []
+        for frames in self._drain(timeout_s):
+            peer = frames[0]
+            if len(frames) != 2:
+                self._bad("framing", f"{len(frames) - 1} payload frames, expected 1", peer)
+                continue
+            msg = self._decode(frames[1], peer)
+            if msg is not None:
+                out.append((peer, msg))
+        return out
+
+    def send(self, peer: bytes, msg: Message) -> bool:
+        """Queue msg for peer without blocking. False (and counted) when the peer is gone or its
+        queue is full; the caller relies on the header re-scan, or drops the session."""
+        frame = self._encode(msg)
+        if frame is None:
+            return False
+        try:
+            self.socket.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop("full", f"{msg.TYPE} to {peer!r}: queue full")
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self._drop("gone", f"{msg.TYPE} to {peer!r}: peer not connected")
+            return False
+        return True
+
+    def close(self) -> None:
+        super().close()
+        if self._ipc_inode is not None:
+            path, inode = self._ipc_inode
+            try:
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class DealerChannel(_Channel):
+    """The client end, connected to one server (see `connect_dealer`)."""
+
+    def __init__(self, endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
+                 max_bytes: int = MAX_MESSAGE_BYTES, immediate: bool = False) -> None:
+        super().__init__(connect_dealer(endpoint, identity, hwm, immediate), max_bytes)
+        self.endpoint = endpoint
+        self._unsent = "no_peer" if immediate else "full"
+
+    def send(self, msg: Message, timeout_s: float = 0.0) -> bool:
+        """Send msg, waiting at most timeout_s for room. False (counted) when the queue stayed
+        full ("full"), or, with immediate=True, when no connection came up in time ("no_peer")."""
+        frame = self._encode(msg)
+        if frame is None:
+            return False
+        if timeout_s > 0 and not self.socket.poll(_timeout_ms(timeout_s), zmq.POLLOUT):
+            self._drop(self._unsent, f"{msg.TYPE} to {self.endpoint}: no room within {timeout_s} s")
+            return False
+        try:
+            self.socket.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop(self._unsent, f"{msg.TYPE} to {self.endpoint}: not connected or queue full")
+            return False
+        return True
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next valid message, or None when none arrived within timeout_s (bad frames are
+        counted, dropped, and do not end the wait early)."""
+        deadline = time.monotonic() + _timeout_ms(timeout_s) / 1000
+        while True:
+            left = deadline - time.monotonic()
+            if not self.socket.poll(max(0, int(left * 1000 + 0.999)), zmq.POLLIN):
+                return None
+            msg = self._recv_one()
+            if msg is not None:
+                return msg
+            if time.monotonic() >= deadline:
+                return None
+
+    def poll(self, timeout_s: float) -> list[Message]:
+        """Wait up to timeout_s, then take every pending valid message (up to MAX_DRAIN)."""
+        out: list[Message] = []
+        for frames in self._drain(timeout_s):
+            msg = self._check_frames(frames)
+            if msg is not None:
+                out.append(msg)
+        return out
+
+    def _recv_one(self) -> Message | None:
+        try:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._check_frames(frames)
+
+    def _check_frames(self, frames: list[bytes]) -> Message | None:
+        if len(frames) != 1:
+            self._bad("framing", f"{len(frames)} frames, expected 1", None)
+            return None
+        return self._decode(frames[0], None)
+
+
+def request(endpoint: str, msg: Message, timeout_s: float, retries: int = 1, peer: str = "server",
+            max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Send one request and return the answer carrying the same rid (Lazy Pirate).
+
+    The timeout_s budget is split over 1 + retries attempts; each attempt uses a fresh DEALER, so
+    a late answer to an earlier attempt lands on a closed socket and cannot be mistaken for this
+    one. Answers with another rid are ignored. The request is resent as is (same rid): a server
+    may use the rid to recognise a repeat. Raises RequestTimeout naming the endpoint."""
+    rid = getattr(msg, "rid", None)
+    if rid is None:
+        raise ValueError(f"{msg.TYPE} carries no rid and cannot be a request")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    _timeout_ms(timeout_s)
+    msg.encode(max_bytes)  # a request too large for the limit is the caller's error, not a timeout
+    attempts = retries + 1
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(attempts):
+        # Later attempts get whatever the earlier ones left, so the total stays within timeout_s.
+        attempt_deadline = time.monotonic() + (deadline - time.monotonic()) / (attempts - attempt)
+        channel = DealerChannel(endpoint, max_bytes=max_bytes)
+        try:
+            if not channel.send(msg, timeout_s=max(0.0, attempt_deadline - time.monotonic())):
+                continue
+            while True:
+                left = attempt_deadline - time.monotonic()
+                if left <= 0:
+                    break
+                answer = channel.recv(left)
+                if answer is None:
+                    break
+                if getattr(answer, "rid", None) == rid:
+                    return answer
+                log.debug("request %d: ignoring %s (rid %s)", rid, answer.TYPE, getattr(answer, "rid", None))
+        finally:
+            channel.close()
+        if attempt + 1 < attempts:
+            log.info("%s at %s: no answer to %s (rid %d), retrying", peer, endpoint, msg.TYPE, rid)
+    raise RequestTimeout(f"{peer} at {endpoint} did not answer within {timeout_s:g} s "
+                         f"({attempts} attempt{'s' if attempts > 1 else ''}) — is it running?")

@@ -1,0 +1,299 @@
+"""ROUTER/DEALER channels over real sockets: messages flow, bad frames are dropped, no wait is unbounded."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from common.channel import ChannelError, DealerChannel, RequestTimeout, RouterChannel, request
+from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
+from common.seqset import SeqSet
+
+HELLO = Hello(rid=1, job="job-1", rank=0, world=1, pid=os.getpid(), start_time=1, have=SeqSet([0, 1]), epochs=1,
+              credit=2)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    # Not tmp_path: unix socket paths are limited to 107 bytes and pytest's are long.
+    path = tempfile.mkdtemp(prefix="dfz", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def endpoint(request: pytest.FixtureRequest, sock_dir: str) -> str:
+    return f"ipc://{sock_dir}/target.sock" if request.param == "ipc" else "tcp://127.0.0.1:*"
+
+
+def _poll_until(router: RouterChannel, want: int = 1, timeout_s: float = 5.0) -> list[tuple[bytes, Message]]:
+    got: list[tuple[bytes, Message]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += router.poll(0.05)
+    return got
+
+
+def test_messages_flow_both_ways(endpoint: str) -> None:
+    router = RouterChannel(endpoint)
+    dealer = DealerChannel(router.endpoint)
+    try:
+        assert dealer.send(HELLO)  # sent at once after connecting: queued until the link is up
+        [(peer, msg)] = _poll_until(router)
+        assert msg == HELLO
+        pong = Pong(rid=5, t=1.5)
+        assert router.send(peer, pong)
+        assert dealer.recv(5.0) == pong
+        assert router.bad_messages == {} and dealer.bad_messages == {}
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_garbage_from_a_peer_is_counted_and_dropped_and_the_server_keeps_serving(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(router.endpoint)
+    try:
+        raw.send(b"\xc1 not msgpack")
+        raw.send_multipart([b"", HELLO.encode()])           # a REQ-style delimiter frame: wrong framing
+        raw.send(Ping(rid=1, t=0.0).encode()[:-2])          # truncated
+        raw.send(Ping(rid=2, t=0.0).encode())
+        got = _poll_until(router)
+        assert [m for _, m in got] == [Ping(rid=2, t=0.0)]
+        assert router.bad_messages == {"not_msgpack": 2, "framing": 1}
+        # and it still answers the same peer
+        peer = got[0][0]
+        assert router.send(peer, Pong(rid=2, t=0.0))
+        assert raw.poll(5000) and Pong(rid=2, t=0.0).encode() == raw.recv()
+    finally:
+        raw.close()
+        router.close()
+
+
+def test_dealer_drops_bad_frames_and_returns_the_next_good_message(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    dealer = DealerChannel(router.endpoint)
+    try:
+        dealer.send(HELLO)
+        [(peer, _)] = _poll_until(router)
+        router.socket.send_multipart([peer, b"garbage"])
+        router.socket.send_multipart([peer, b"a", b"b"])
+        router.send(peer, Pong(rid=3, t=0.0))
+        assert dealer.recv(5.0) == Pong(rid=3, t=0.0)
+        assert dealer.bad_messages == {"not_msgpack": 1, "framing": 1}
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_send_to_a_vanished_peer_returns_false(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    try:
+        assert not router.send(b"never-connected", Pong(rid=1, t=0.0))
+        dealer = DealerChannel(router.endpoint, identity=b"rank0-1234")
+        dealer.send(HELLO)
+        [(peer, _)] = _poll_until(router)
+        assert peer == b"rank0-1234"
+        dealer.close()
+        deadline = time.monotonic() + 5.0
+        while router.send(peer, Pong(rid=1, t=0.0)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the disconnect reaches the ROUTER asynchronously
+        assert not router.send(peer, Pong(rid=1, t=0.0))
+        assert router.dropped_sends["gone"] >= 2
+    finally:
+        router.close()
+
+
+def test_reconnecting_identity_takes_over_from_a_stale_connection(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    old = DealerChannel(router.endpoint, identity=b"rank0")
+    new = None
+    try:
+        old.send(HELLO)
+        assert _poll_until(router)
+        new = DealerChannel(router.endpoint, identity=b"rank0")  # e.g. restarted while the old one is stopped
+        new.send(HELLO)
+        assert _poll_until(router)
+        assert router.send(b"rank0", Pong(rid=9, t=0.0))
+        assert new.recv(5.0) == Pong(rid=9, t=0.0)
+        assert old.recv(0.1) is None
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        router.close()
+
+
+def test_bind_refuses_an_endpoint_a_live_server_holds(sock_dir: str) -> None:
+    first = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    try:
+        with pytest.raises(ChannelError, match="in use"):
+            RouterChannel(f"ipc://{sock_dir}/s.sock")
+        tcp = RouterChannel("tcp://127.0.0.1:*")
+        try:
+            with pytest.raises(ChannelError, match="in use"):
+                RouterChannel(tcp.endpoint)
+        finally:
+            tcp.close()
+    finally:
+        first.close()
+
+
+def test_stale_socket_file_is_replaced_and_close_removes_ours(sock_dir: str) -> None:
+    path = os.path.join(sock_dir, "sub", "s.sock")
+    os.makedirs(os.path.dirname(path))
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # a socket file whose process is gone: nobody listens
+    stale.close()
+    router = RouterChannel(f"ipc://{path}")
+    dealer = DealerChannel(router.endpoint)
+    try:
+        dealer.send(HELLO)
+        assert _poll_until(router)
+    finally:
+        dealer.close()
+        router.close()
+    assert not os.path.exists(path)
+
+
+def test_bad_endpoints_are_clear_errors(sock_dir: str) -> None:
+    with pytest.raises(ChannelError, match="longer than"):
+        RouterChannel("ipc://" + sock_dir + "/" + "x" * 120)
+    with pytest.raises(ChannelError, match="expected ipc"):
+        DealerChannel("http://localhost:80")
+    with open(os.path.join(sock_dir, "file"), "w"):
+        pass
+    with pytest.raises(ChannelError, match="not a socket"):
+        RouterChannel(f"ipc://{sock_dir}/file")
+
+
+def _serve(endpoint: str, handler: Callable[[RouterChannel, bytes, Message, int], None], ready: threading.Event,
+           stop: threading.Event) -> None:
+    router = RouterChannel(endpoint)
+    ready.set()
+    n = 0
+    try:
+        while not stop.is_set():
+            for peer, msg in router.poll(0.05):
+                n += 1
+                handler(router, peer, msg, n)
+    finally:
+        router.close()
+
+
+@pytest.fixture
+def fake_server(sock_dir: str) -> Iterator[Callable[[Callable[..., None]], str]]:
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(handler: Callable[..., None]) -> str:
+        endpoint = f"ipc://{sock_dir}/fake.sock"
+        ready = threading.Event()
+        t = threading.Thread(target=_serve, args=(endpoint, handler, ready, stop), daemon=True)
+        t.start()
+        threads.append(t)
+        assert ready.wait(5)
+        return endpoint
+
+    yield start
+    stop.set()
+    for t in threads:
+        t.join(5)
+
+
+def test_request_to_nothing_times_out_with_a_clear_message(sock_dir: str) -> None:
+    endpoint = f"ipc://{sock_dir}/nobody.sock"
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout) as e:
+        request(endpoint, Control(rid=next_rid(), cmd="status", args={}), timeout_s=0.6, retries=1,
+                peer="target server")
+    elapsed = time.monotonic() - t0
+    assert 0.5 <= elapsed < 0.6 + 2.0
+    assert f"target server at {endpoint} did not answer within 0.6 s" in str(e.value)
+    assert "is it running?" in str(e.value)
+
+
+def test_request_matches_its_rid_and_ignores_other_answers(fake_server: Callable[..., str]) -> None:
+    def handler(router: RouterChannel, peer: bytes, msg: Message, n: int) -> None:
+        assert isinstance(msg, Control)
+        router.send(peer, Reply.success(msg.rid + 1, {"stale": True}))  # an answer to some other request
+        router.send(peer, Ping(rid=msg.rid + 2, t=0.0))
+        router.send(peer, Reply.success(msg.rid, {"state": "serving"}))
+
+    endpoint = fake_server(handler)
+    rid = next_rid()
+    reply = request(endpoint, Control(rid=rid, cmd="status", args={}), timeout_s=5.0)
+    assert reply == Reply.success(rid, {"state": "serving"})
+
+
+def test_request_retries_on_a_fresh_socket_and_gets_the_late_answer(fake_server: Callable[..., str]) -> None:
+    seen: list[tuple[bytes, int]] = []
+
+    def handler(router: RouterChannel, peer: bytes, msg: Message, n: int) -> None:
+        seen.append((peer, msg.rid))
+        if n == 1:
+            return  # the first attempt is lost
+        router.send(peer, Reply.success(msg.rid, {"attempt": n}))
+
+    endpoint = fake_server(handler)
+    rid = next_rid()
+    reply = request(endpoint, Control(rid=rid, cmd="pause", args={}), timeout_s=3.0, retries=1)
+    assert reply == Reply.success(rid, {"attempt": 2})
+    assert [r for _, r in seen] == [rid, rid] and seen[0][0] != seen[1][0]
+
+
+def test_request_needs_a_rid() -> None:
+    with pytest.raises(ValueError, match="rid"):
+        request("ipc:///tmp/unused.sock", Ack(consumer_epoch=0, worker=0, slot=0, pub_seq=0, seq=0), timeout_s=0.1)
+
+
+def test_oversized_frames_are_counted_and_never_sent(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2000)
+    dealer = DealerChannel(router.endpoint, max_bytes=2000)
+    big = Reply.success(1, {"blob": "x" * 3000})
+    try:
+        assert not dealer.send(big)  # refused at the sender: the server would drop it
+        assert dealer.dropped_sends["too_large"] == 1
+        dealer.socket.send(big.encode())  # a peer that ignores the limit anyway
+        dealer.send(Ping(rid=4, t=0.0))
+        got = _poll_until(router)
+        assert [m for _, m in got] == [Ping(rid=4, t=0.0)]
+        assert router.bad_messages == {"too_large": 1}
+        assert not router.send(got[0][0], big) and router.dropped_sends["too_large"] == 1
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_hello_sent_before_the_server_starts_arrives_once_it_binds(sock_dir: str) -> None:
+    endpoint = f"ipc://{sock_dir}/later.sock"
+    dealer = DealerChannel(endpoint)
+    try:
+        assert dealer.send(HELLO)  # queued: a trainer may start before the target server
+        router = RouterChannel(endpoint)
+        try:
+            assert [m for _, m in _poll_until(router)] == [HELLO]
+        finally:
+            router.close()
+    finally:
+        dealer.close()
+
+
+def test_immediate_dealer_reports_an_absent_server_instead_of_queueing(sock_dir: str) -> None:
+    dealer = DealerChannel(f"ipc://{sock_dir}/absent.sock", immediate=True)
+    try:
+        t0 = time.monotonic()
+        assert not dealer.send(HELLO, timeout_s=0.2)
+        assert time.monotonic() - t0 < 2.0
+        assert dealer.dropped_sends["no_peer"] == 1
+    finally:
+        dealer.close()
