@@ -31,8 +31,10 @@ def _spawn(role: str, config: str, overrides: list[str], log_path: str) -> subpr
     for o in overrides:
         cmd += ["--set", o]
     log = open(log_path, "ab")
+    # two services on a small CPU box: one intra-op thread each, or they slow each other down
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # own process group: Ctrl-C on the demo reaches the children only through us (clean shutdown)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:

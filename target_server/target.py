@@ -1,0 +1,279 @@
+"""The frozen target: load only what capture needs, run a packed forward, hand back the captured layers.
+
+One packed row of T tokens from D documents goes in; k planes of hidden states come out:
+
+    input_ids [T] ─ embed ─► layer 0 ─► layer 1 ─► ... ─► layer max(layer_ids)   (stop: no later
+                                │          │                     │                  layer, no final
+                                ▼          ▼                     ▼                  norm, no lm_head)
+    out [k, T, H]            plane i holds the output of decoder layer layer_ids[i]
+
+Layer id l is the output of decoder layer l, i.e. Hugging Face `hidden_states[l + 1]`
+(`hidden_states[0]` is the embedding output, `hidden_states[-1]` the final-normed state: neither
+is ever captured). The drafter is trained and served with the same convention.
+
+Loading builds the text decoder on the meta device truncated to max(layer_ids) + 1 layers, then
+reads only those tensors from the safetensors files straight onto the device: deeper layers,
+lm_head, vision tower and MTP head are never materialised.
+
+The layer loop is written out here rather than calling HF's model.forward: transformers 5.17-5.24
+differ in the kwargs their forwards accept, and the token mixers must be the document-aware ones
+from `varlen` (HF's Gated DeltaNet leaks across documents in a packed row). Norms, MLPs and the
+attention projections are HF's own modules.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from common.batch import BatchError, document_positions
+from common.config import default_layer_ids
+from target_server import varlen
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Where the text decoder's tensors live in the checkpoints we load, most specific first:
+# Qwen3.5 VL checkpoints ("model.language_model."), causal-LM checkpoints ("model."), bare models ("").
+WEIGHT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+GDN_ATTRS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 on CUDA and fp32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected auto | " + " | ".join(DTYPES))
+    return DTYPES[dtype]
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _load_weights(model: torch.nn.Module, path: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a meta-device model with the checkpoint tensors it names, read straight onto `device`."""
+    from safetensors import safe_open
+
+    wanted = set(model.state_dict().keys())
+    state: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                local = next((name[len(p):] for p in WEIGHT_PREFIXES
+                              if name.startswith(p) and name[len(p):] in wanted), None)
+                if local is not None and local not in state:
+                    state[local] = f.get_tensor(name).to(dtype)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise RuntimeError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the target needs, "
+                           f"e.g. {missing[:4]}")
+    model.load_state_dict(state, strict=True, assign=True)
+
+
+def _check_layers(layers: torch.nn.ModuleList, model_type: str) -> list[bool]:
+    """Which kept layers are Gated DeltaNet; refuse layer kinds the packed path cannot keep apart."""
+    is_linear = []
+    for i, layer in enumerate(layers):
+        for attr in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, attr):
+                raise NotImplementedError(f"{model_type}: decoder layer {i} has no {attr}; unsupported target")
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is not None:
+            absent = [a for a in GDN_ATTRS if not hasattr(gdn, a)]
+            if absent:
+                raise NotImplementedError(f"{model_type}: layer {i} linear attention lacks {absent}; "
+                                          f"only Qwen3.5-style Gated DeltaNet is supported")
+        elif not hasattr(layer, "self_attn"):
+            raise NotImplementedError(f"{model_type}: layer {i} has neither self_attn nor linear_attn")
+        is_linear.append(gdn is not None)
+    return is_linear
+
+
+class TargetRunner:
+    """Frozen target: packed forward that returns the captured layer outputs."""
+
+    def __init__(self, model: torch.nn.Module, model_path: str, config: dict[str, Any], num_layers: int,
+                 layer_ids: list[int], device: torch.device, dtype: torch.dtype, linear_backend: str) -> None:
+        self.model = model
+        self.model_path = model_path
+        self.config = config
+        self.num_layers = num_layers
+        self.layer_ids = list(layer_ids)
+        self.device = device
+        self.dtype = dtype
+        self.linear_backend = linear_backend
+        text = model.config
+        self.hidden_size = int(text.hidden_size)
+        self.vocab_size = int(text.vocab_size)
+        self._is_linear = _check_layers(model.layers, text.model_type)
+        self._plane_of = {layer: i for i, layer in enumerate(self.layer_ids)}
+
+    @classmethod
+    def load(cls, path: str, device: str = "cpu", dtype: str = "auto", layer_ids: list[int] | None = None,
+             num_capture_layers: int = 5, linear_backend: str = "auto") -> "TargetRunner":
+        """Load the decoder up to the deepest captured layer, frozen, onto `device`.
+
+        layer_ids default to common.config.default_layer_ids(L, num_capture_layers); they must be
+        strictly increasing and inside [0, L). linear_backend: auto | torch | fla (see varlen).
+        """
+        from transformers import AutoConfig, AutoModel
+
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config_dict = json.load(f)
+        text_cfg = AutoConfig.from_pretrained(path).get_text_config()
+        num_layers = int(text_cfg.num_hidden_layers)
+        ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers, num_capture_layers)
+        if any(not 0 <= i < num_layers for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"layer_ids {ids}: need strictly increasing ids in [0, {num_layers})")
+        keep = ids[-1] + 1
+        layer_types = list(getattr(text_cfg, "layer_types", None) or [])[:keep]
+        if "sliding_attention" in layer_types and getattr(text_cfg, "use_sliding_window", True):
+            raise NotImplementedError("sliding-window attention layers are not supported by the packed forward")
+        d = text_cfg.to_dict()
+        d.update(num_hidden_layers=keep, use_cache=False)
+        if layer_types:
+            d["layer_types"] = layer_types
+        trunc_cfg = type(text_cfg).from_dict(d)
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch_dtype = resolve_dtype(dtype, dev)
+        backend = varlen.resolve_backend(linear_backend, dev)
+        impl = varlen.register_packed_attention()
+        with torch.device("meta"):
+            model = AutoModel.from_config(trunc_cfg, attn_implementation=impl, dtype=torch_dtype)
+        _load_weights(model, path, dev, torch_dtype)
+        # Non-persistent buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild on device.
+        with torch.device(dev):
+            model.rotary_emb = type(model.rotary_emb)(config=model.config)
+        still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if still_meta:
+            raise RuntimeError(f"{path}: tensors left uninitialised after loading: {still_meta[:4]}")
+        model.eval().requires_grad_(False)
+        runner = cls(model, path, config_dict, num_layers, ids, dev, torch_dtype, backend)
+        log.info("target %s: %d of %d layers kept, capture %s, %s on %s, linear backend %s",
+                 path, keep, num_layers, ids, torch_dtype, dev, backend)
+        return runner
+
+    def _check_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      doc_lens: torch.Tensor) -> None:
+        """Refuse a batch that would crash the forward (on CUDA: a device assert) or mix documents."""
+        for name, x in (("input_ids", input_ids), ("position_ids", position_ids), ("doc_lens", doc_lens)):
+            if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+                raise BatchError(f"{name}: expected a 1-d integer tensor, got {x.dtype} {tuple(x.shape)}")
+        t = input_ids.shape[0]
+        if t == 0 or position_ids.shape[0] != t:
+            raise BatchError(f"input_ids has {t} tokens, position_ids {position_ids.shape[0]}")
+        lens = doc_lens.cpu().to(torch.int64)
+        if lens.numel() == 0 or bool((lens <= 0).any()) or int(lens.sum()) != t:
+            raise BatchError(f"doc_lens {lens.tolist()[:8]} must be positive and sum to {t}")
+        ids = input_ids.cpu()
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise BatchError(f"input_ids outside [0, {self.vocab_size}): min {lo}, max {hi}")
+        if not torch.equal(position_ids.cpu().to(torch.int64), document_positions(lens)):
+            raise BatchError("position_ids do not restart at 0 in every document")
+
+    def _new_out(self, num_tokens: int) -> torch.Tensor:
+        return torch.empty(len(self.layer_ids), num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+
+    def _check_out(self, out: torch.Tensor, num_tokens: int) -> None:
+        want = (len(self.layer_ids), num_tokens, self.hidden_size)
+        if tuple(out.shape) != want or out.dtype != self.dtype:
+            raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, expected {self.dtype} {want}")
+
+    def _decoder_layer(self, i: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       docs: varlen.PackedDocs) -> torch.Tensor:
+        """HF's pre-norm residual block with the document-aware token mixer in the middle."""
+        layer = self.model.layers[i]
+        mixed = layer.input_layernorm(hidden)
+        if self._is_linear[i]:
+            mixed = varlen.gated_deltanet_forward(layer.linear_attn, mixed, docs, backend=self.linear_backend)
+        else:
+            mixed, _ = layer.self_attn(hidden_states=mixed, position_embeddings=rope, attention_mask=None,
+                                       **{varlen.DOCS_KWARG: docs})
+        hidden = hidden + mixed
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_lens: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed forward over one row; returns hidden [k, T, H] (self.dtype), plane i = layer layer_ids[i].
+
+        input_ids/position_ids [T] (position ids restart at 0 per document), doc_lens [D] summing to T.
+        `out` (e.g. a slot view or a device staging buffer) receives the planes when given; if it
+        lives on another device the copies are queued non-blocking on the current stream, so record
+        an event after this returns before reading it. Raises BatchError on inconsistent input.
+        """
+        self._check_inputs(input_ids, position_ids, doc_lens)
+        t = input_ids.shape[0]
+        if out is None:
+            out = self._new_out(t)
+        else:
+            self._check_out(out, t)
+        non_blocking = out.device != self.device
+        # Triton (FLA) launches on the *current* device: make it ours when one process drives several GPUs.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            docs = varlen.PackedDocs.from_doc_lens(doc_lens, self.device)
+            ids = input_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
+            pos = position_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
+            hidden = self.model.embed_tokens(ids)
+            rope = self.model.rotary_emb(hidden, pos)
+            for i in range(self.layer_ids[-1] + 1):
+                hidden = self._decoder_layer(i, hidden, rope, docs)
+                plane = self._plane_of.get(i)
+                if plane is not None:
+                    out[plane].copy_(hidden[0], non_blocking=non_blocking)
+        return out
+
+    @torch.no_grad()
+    def capture_unpacked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One document through transformers' own forward (the audit's reference); [k, T, H]."""
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise BatchError(f"capture_unpacked takes one non-empty document [T], got {tuple(input_ids.shape)}")
+        t = input_ids.shape[0]
+        self._check_inputs(input_ids, torch.arange(t), torch.tensor([t]))
+        out = self._new_out(t)
+
+        def keep(plane: int) -> Any:
+            def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+                out[plane].copy_((output[0] if isinstance(output, tuple) else output)[0])
+            return hook
+
+        handles = [self.model.layers[layer].register_forward_hook(keep(p)) for p, layer in enumerate(self.layer_ids)]
+        try:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                self.model(input_ids=input_ids.to(self.device, torch.int64).unsqueeze(0), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
+    def warmup(self, num_tokens: int, num_docs: int = 4) -> float:
+        """One capture of a synthetic batch of `num_tokens` tokens (kernel autotune happens here); seconds."""
+        if num_tokens < num_docs or num_docs < 1:
+            raise ValueError(f"warmup: need num_tokens >= num_docs >= 1, got {num_tokens}, {num_docs}")
+        lens = torch.full((num_docs,), num_tokens // num_docs, dtype=torch.int32)
+        lens[-1] += num_tokens - int(lens.sum())
+        ids = torch.arange(num_tokens, dtype=torch.int64) % self.vocab_size
+        start = time.perf_counter()
+        self.capture(ids, document_positions(lens), lens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start

@@ -1,0 +1,240 @@
+"""Document-aware token mixers for one packed row: documents never see each other.
+
+A packed row holds D whole documents back to back; `cu_seqlens` marks where each one starts:
+
+    tokens      | d0 d0 d0 | d1 | d2 d2 d2 d2 d2 | ...          T tokens, batch size 1
+    cu_seqlens  0          3    4                9   ...  T      [D+1]
+
+Three token mixers must restart at every boundary. Stock transformers gets two of them wrong for
+packed input (the attention layers are fine given restarting position_ids):
+
+- the short causal conv in front of Gated DeltaNet (kernel 4) is never told the boundaries, so the
+  first 3 tokens of a document mix in the last 3 tokens of the previous one;
+- the gated delta rule's torch fallback ignores `cu_seqlens`, so the recurrent state flows across.
+
+This module provides the three mixers with explicit boundaries, each with two backends:
+
+    mixer              "torch" backend (CPU, and GPU without FLA)      "fla" backend (CUDA + FLA)
+    short conv         K shifted multiply-adds, masked by position     fla causal_conv1d(cu_seqlens=)
+    gated delta rule   transformers' chunked torch rule per document   fla chunk_gated_delta_rule(cu_seqlens=)
+    attention          SDPA per document (is_causal)                   same
+
+`gated_deltanet_forward` is the Gated DeltaNet token mixer of one Qwen3.5 layer, computed from that
+layer's own weights with the document-aware conv and delta rule in place of the stock ones.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from common.batch import cu_seqlens as cu_seqlens_of
+from common.batch import document_positions
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "fla")
+# Name under which `packed_attention` is registered with transformers' attention registry, and the
+# keyword that carries the document boundaries from our layer loop through HF's attention module.
+ATTENTION_IMPL = "dfpipe_packed"
+DOCS_KWARG = "dfpipe_docs"
+
+
+@dataclass(frozen=True)
+class PackedDocs:
+    """Boundaries of the documents in one packed row, built once per batch and shared by all layers.
+
+    bounds:      [(start, end)] per document as Python ints, so per-document loops never sync the GPU
+    cu_seqlens:  [D+1] int64 on the compute device (the varlen-kernel convention)
+    doc_pos:     [T] int64 on the compute device, the position of each token inside its document
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    cu_seqlens: torch.Tensor
+    doc_pos: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.bounds[-1][1]
+
+    @classmethod
+    def from_doc_lens(cls, doc_lens: torch.Tensor, device: torch.device | str) -> "PackedDocs":
+        lens = [int(n) for n in doc_lens.tolist()]
+        if not lens or min(lens) <= 0:
+            raise ValueError(f"doc_lens must be non-empty and positive, got {lens[:8]}")
+        cu = cu_seqlens_of(doc_lens.cpu()).tolist()
+        return cls(bounds=tuple(zip(cu[:-1], cu[1:])),
+                   cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
+                   doc_pos=document_positions(doc_lens.cpu()).to(device))
+
+
+def _import_first(candidates: tuple[str, ...], name: str) -> Callable[..., Any]:
+    for module in candidates:
+        try:
+            fn = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if callable(fn):
+            return fn
+    raise ImportError(f"{name} not found in any of {candidates}")
+
+
+def fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """FLA's varlen (causal_conv1d, chunk_gated_delta_rule), or None when FLA cannot be imported.
+
+    FLA has moved the short conv between releases; these are the module paths it has lived under.
+    """
+    try:
+        conv = _import_first(("fla.modules.convolution", "fla.modules.conv", "fla.modules.causal_conv1d"),
+                             "causal_conv1d")
+        rule = _import_first(("fla.ops.gated_delta_rule",), "chunk_gated_delta_rule")
+    except ImportError:
+        return None
+    return conv, rule
+
+
+def _fla() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    ops = fla_ops()
+    if ops is None:
+        raise RuntimeError("flash-linear-attention is not importable")
+    return ops
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """"auto" -> "fla" on CUDA when FLA imports, else "torch"; an explicit choice is checked."""
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"linear backend {requested!r}: expected auto | torch | fla")
+    if requested == "torch":
+        return "torch"
+    usable = device.type == "cuda" and fla_ops() is not None
+    if requested == "fla" and not usable:
+        raise RuntimeError("linear backend 'fla' needs a CUDA device and an importable flash-linear-attention")
+    if requested == "auto" and device.type == "cuda" and not usable:
+        log.warning("flash-linear-attention is not importable: Gated DeltaNet layers use the slow torch path")
+    return "fla" if usable else "torch"
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, docs: PackedDocs,
+                  activation: str | None = "silu", backend: str = "torch") -> torch.Tensor:
+    """Depthwise causal conv over a packed row, zero history at every document start.
+
+    x [T, C], weight [C, K] (tap K-1 multiplies the current token), bias [C] or None -> [T, C] in x's dtype.
+    """
+    if backend == "fla":
+        conv, _ = _fla()
+        result = conv(x=x.unsqueeze(0).contiguous(), weight=weight, bias=bias, activation=activation,
+                      cu_seqlens=docs.cu_seqlens)
+        y = result[0] if isinstance(result, tuple) else result   # (y, final_state) in FLA >= 0.2
+        return y.squeeze(0)
+    k = weight.shape[1]
+    xf, wf = x.float(), weight.float()
+    y = xf * wf[:, k - 1]
+    for shift in range(1, k):
+        # token t reads token t-shift only when that token is in the same document
+        in_doc = (docs.doc_pos[shift:] >= shift).unsqueeze(1)
+        y[shift:] += torch.where(in_doc, xf[:-shift] * wf[:, k - 1 - shift], 0.0)
+    if bias is not None:
+        y = y + bias.float()
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return y.to(x.dtype)
+
+
+def _torch_chunk_rule() -> Callable[..., Any]:
+    """transformers' pure-torch chunked gated delta rule (unwrapped from its kernel-dispatch decorator)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    fn = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    return getattr(fn, "__wrapped__", fn)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     docs: PackedDocs, backend: str = "torch") -> torch.Tensor:
+    """Chunked gated delta rule with a fresh state per document (q and k are L2-normalised inside).
+
+    q, k [1, T, Hv, Dk] (key heads already repeated to the value heads), v [1, T, Hv, Dv],
+    g (log decay, fp32) and beta [1, T, Hv] -> [1, T, Hv, Dv] in v's dtype.
+    """
+    if backend == "fla":
+        _, rule = _fla()
+        out, _ = rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=docs.cu_seqlens)
+        return out
+    rule = _torch_chunk_rule()
+    pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                   use_qk_l2norm_in_kernel=True)[0] for s, e in docs.bounds]
+    return torch.cat(pieces, dim=1).to(v.dtype)
+
+
+def gated_deltanet_forward(gdn: torch.nn.Module, hidden: torch.Tensor, docs: PackedDocs,
+                           backend: str = "torch") -> torch.Tensor:
+    """One Qwen3.5 Gated DeltaNet token mixer over a packed row, documents kept apart.
+
+    hidden [1, T, H] (after the layer's input norm) -> [1, T, H]. Reads the HF module's weights
+    (in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj); the arithmetic follows
+    transformers' Qwen3_5GatedDeltaNet.forward without a cache.
+    """
+    _, t, _ = hidden.shape
+    mixed = gdn.in_proj_qkv(hidden)[0]                                    # [T, 2*key_dim + value_dim]
+    z = gdn.in_proj_z(hidden)
+    b = gdn.in_proj_b(hidden)
+    a = gdn.in_proj_a(hidden)
+    mixed = causal_conv1d(mixed, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, docs,
+                          activation=gdn.activation, backend=backend)
+    q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    q = q.reshape(1, t, -1, gdn.head_k_dim)
+    k = k.reshape(1, t, -1, gdn.head_k_dim)
+    v = v.reshape(1, t, -1, gdn.head_v_dim)
+    beta = b.sigmoid()
+    # fp32 decay: in half precision exp(A_log) can overflow to inf (transformers does the same)
+    g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
+    groups = gdn.num_v_heads // gdn.num_k_heads
+    if groups > 1:
+        # each key head serves `groups` consecutive value heads
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
+    core = gated_delta_rule(q, k, v, g, beta, docs, backend=backend)
+    core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+    return gdn.out_proj(core.reshape(1, t, -1))
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention function for transformers' registry: causal SDPA inside each document.
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Without `dfpipe_docs`
+    (the plain HF forward) it is exactly transformers' SDPA attention.
+    """
+    docs: PackedDocs | None = kwargs.pop(DOCS_KWARG, None)
+    if docs is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != docs.num_tokens:
+        raise ValueError(f"packed attention expects one row of {docs.num_tokens} tokens, got {tuple(query.shape)}")
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty_like(query)
+    for s, e in docs.bounds:
+        out[:, :, s:e] = F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                        is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_packed_attention() -> str:
+    """Make `ATTENTION_IMPL` a valid attn_implementation (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_IMPL, packed_attention)
+    # HF's own forward (the audit's unpacked path, padded batches) then builds exactly the masks it
+    # builds for "sdpa", which `packed_attention` hands to SDPA unchanged.
+    AttentionMaskInterface.register(ATTENTION_IMPL, sdpa_mask)
+    return ATTENTION_IMPL

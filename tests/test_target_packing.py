@@ -1,0 +1,235 @@
+"""Documents packed into one row never interact: packed capture == one forward per document.
+
+The fixture is proven meaningful: transformers' own packed forward (restarting position_ids) DOES
+leak across documents on the hybrid Qwen3.5 target (short conv + Gated DeltaNet state), so a
+packing path that fell back to it would fail here.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (bind HF's kernels while conftest blocks FLA)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from common.batch import document_positions
+from target_server import varlen
+from target_server.target import TargetRunner
+from target_server.tiny import build_tiny_target
+
+ARCHS = ("qwen3.5", "qwen3")
+# length 1, lengths below the conv kernel (4), and lengths across the delta rule's 64-token chunks
+DOC_LENS = [1, 2, 3, 5, 70, 17, 130]
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread() -> None:
+    """One intra-op thread while this module runs: with xdist workers sharing 2 cores, OpenMP
+    oversubscription makes small batched ops (the delta rule's triangular solves) ~100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny-targets")
+    return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_dirs: dict[str, str]) -> dict[str, torch.nn.Module]:
+    return {arch: AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+            for arch, path in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_dirs: dict[str, str]) -> dict[str, TargetRunner]:
+    return {arch: TargetRunner.load(path) for arch, path in tiny_dirs.items()}
+
+
+def _packed(lens: list[int], seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 512, (n,), generator=g) for n in lens]
+    doc_lens = torch.tensor(lens, dtype=torch.int32)
+    return docs, torch.cat(docs), document_positions(doc_lens), doc_lens
+
+
+def _hf_layers(model: torch.nn.Module, ids: torch.Tensor, layer_ids: list[int], **kwargs: object) -> torch.Tensor:
+    """HF hidden_states[l + 1] for the captured ids, stacked [k, T, H]."""
+    with torch.no_grad():
+        hs = model(input_ids=ids[None], use_cache=False, output_hidden_states=True, **kwargs).hidden_states
+    return torch.stack([hs[layer + 1][0] for layer in layer_ids])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_capture_equals_one_hf_forward_per_document(arch: str, hf_models: dict[str, torch.nn.Module],
+                                                           runners: dict[str, TargetRunner]) -> None:
+    runner = runners[arch]
+    docs, ids, pos, lens = _packed(DOC_LENS, seed=0)
+    packed = runner.capture(ids, pos, lens)
+    start = 0
+    for doc in docs:
+        alone = _hf_layers(hf_models[arch], doc, runner.layer_ids)
+        torch.testing.assert_close(packed[:, start:start + len(doc)], alone, atol=1e-4, rtol=1e-4)
+        start += len(doc)
+
+
+def test_hf_packed_forward_leaks_across_documents_on_the_hybrid_target(hf_models: dict[str, torch.nn.Module],
+                                                                       runners: dict[str, TargetRunner]) -> None:
+    """The reason this module exists: stock transformers mixes packed documents in GDN layers."""
+    runner = runners["qwen3.5"]
+    docs, ids, pos, lens = _packed(DOC_LENS, seed=0)
+    naive = _hf_layers(hf_models["qwen3.5"], ids, runner.layer_ids, position_ids=pos[None])
+    ours = runner.capture(ids, pos, lens)
+    first = len(docs[0])
+    torch.testing.assert_close(naive[:, :first], ours[:, :first], atol=1e-4, rtol=1e-4)
+    start = first
+    for doc in docs[1:]:
+        # every later document differs already at its first token: conv taps and recurrent state leak in
+        assert (naive[:, start] - ours[:, start]).abs().max() > 1e-3
+        start += len(doc)
+
+
+def test_attention_only_target_needs_document_boundaries_too(hf_models: dict[str, torch.nn.Module],
+                                                            runners: dict[str, TargetRunner]) -> None:
+    """On Qwen3 a packed row without boundaries (plain causal attention) differs from ours."""
+    runner = runners["qwen3"]
+    docs, ids, pos, lens = _packed(DOC_LENS, seed=0)
+    naive = _hf_layers(hf_models["qwen3"], ids, runner.layer_ids)
+    ours = runner.capture(ids, pos, lens)
+    assert (naive[:, len(docs[0]):] - ours[:, len(docs[0]):]).abs().max() > 1e-2
+
+
+def test_varlen_conv_zeroes_history_at_each_document_start() -> None:
+    g = torch.Generator().manual_seed(1)
+    lens = [1, 2, 3, 5, 9]
+    x = torch.randn(sum(lens), 6, generator=g)
+    w = torch.randn(6, 4, generator=g)
+    docs = varlen.PackedDocs.from_doc_lens(torch.tensor(lens), "cpu")
+
+    def hf_conv(seq: torch.Tensor) -> torch.Tensor:  # transformers' torch conv on [T, C]
+        return F.silu(F.conv1d(seq.T[None], w[:, None], padding=3, groups=6)[0, :, :seq.shape[0]].T)
+
+    ours = varlen.causal_conv1d(x, w, None, docs)
+    per_doc = torch.cat([hf_conv(x[s:e]) for s, e in docs.bounds])
+    torch.testing.assert_close(ours, per_doc, atol=1e-6, rtol=1e-6)
+    # over the packed row the stock conv differs exactly in the first 3 tokens of every later document
+    leaked = (hf_conv(x) - per_doc).abs().amax(1) > 1e-6
+    expected = torch.zeros(sum(lens), dtype=torch.bool)
+    for s, e in docs.bounds[1:]:
+        expected[s:min(e, s + 3)] = True
+    assert torch.equal(leaked, expected)
+
+
+def test_gated_delta_rule_restarts_its_state_at_each_document() -> None:
+    g = torch.Generator().manual_seed(2)
+    lens, heads, dk, dv = [1, 3, 66, 10], 2, 8, 8
+    t = sum(lens)
+    q, k = torch.randn(1, t, heads, dk, generator=g), torch.randn(1, t, heads, dk, generator=g)
+    v = torch.randn(1, t, heads, dv, generator=g)
+    decay = -torch.rand(1, t, heads, generator=g)
+    beta = torch.rand(1, t, heads, generator=g)
+    docs = varlen.PackedDocs.from_doc_lens(torch.tensor(lens), "cpu")
+    ours = varlen.gated_delta_rule(q, k, v, decay, beta, docs)
+    one_doc = varlen.PackedDocs.from_doc_lens(torch.tensor([t]), "cpu")
+    for s, e in docs.bounds:
+        sl = slice(s, e)
+        alone = varlen.gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], decay[:, sl], beta[:, sl],
+                                        varlen.PackedDocs.from_doc_lens(torch.tensor([e - s]), "cpu"))
+        torch.testing.assert_close(ours[:, sl], alone, atol=1e-5, rtol=1e-5)
+    carried = varlen.gated_delta_rule(q, k, v, decay, beta, one_doc)
+    assert (carried[:, lens[0]:] - ours[:, lens[0]:]).abs().max() > 1e-3
+
+
+@settings(max_examples=8, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_a_documents_states_do_not_depend_on_its_neighbours(lens: list[int], seed: int,
+                                                            runners: dict[str, TargetRunner]) -> None:
+    runner = runners["qwen3.5"]
+    docs, ids, pos, doc_lens = _packed(lens, seed)
+    packed = runner.capture(ids, pos, doc_lens)
+    start = 0
+    for doc in docs:
+        one = torch.tensor([len(doc)], dtype=torch.int32)
+        alone = runner.capture(doc, document_positions(one), one)
+        torch.testing.assert_close(packed[:, start:start + len(doc)], alone, atol=1e-5, rtol=1e-5)
+        start += len(doc)
+
+
+def test_linear_backend_choice_is_checked() -> None:
+    assert varlen.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert varlen.resolve_backend("torch", torch.device("cpu")) == "torch"
+    with pytest.raises(RuntimeError, match="fla"):
+        varlen.resolve_backend("fla", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend"):
+        varlen.resolve_backend("triton", torch.device("cpu"))
+
+
+# ---- GPU (run by the lead on the H200; skipped on CPU-only machines) ---------------------------------
+
+
+@pytest.fixture
+def real_fla() -> None:
+    """conftest blocks FLA for the CPU fallback; FLA-vs-torch tests need the real package back."""
+    blocked = sys.modules.get("fla", "absent") is None
+    if blocked:
+        del sys.modules["fla"]
+    try:
+        if varlen.fla_ops() is None:
+            pytest.skip("flash-linear-attention is not installed")
+        yield
+    finally:
+        if blocked:
+            sys.modules["fla"] = None  # type: ignore[assignment]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@cuda_only
+def test_fla_kernels_match_the_torch_path_on_gpu(real_fla: None) -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens, heads, dk, dv, c = [1, 3, 70, 200, 9], 4, 32, 32, 64
+    t = sum(lens)
+    docs = varlen.PackedDocs.from_doc_lens(torch.tensor(lens), "cuda")
+    x = torch.randn(t, c, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(c, 4, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert _rel_err(varlen.causal_conv1d(x, w, None, docs, backend="fla"),
+                    varlen.causal_conv1d(x, w, None, docs, backend="torch")) < 1e-2
+    q = torch.randn(1, t, heads, dk, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, t, heads, dk, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, t, heads, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    decay = -torch.rand(1, t, heads, device="cuda", generator=g)
+    beta = torch.rand(1, t, heads, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert _rel_err(varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="fla"),
+                    varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="torch")) < 5e-2
+
+
+@cuda_only
+def test_fla_target_forward_matches_the_torch_path_on_gpu(real_fla: None, tiny_dirs: dict[str, str]) -> None:
+    fla = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="fla")
+    ref = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="torch")
+    _, ids, pos, lens = _packed(DOC_LENS, seed=4)
+    assert _rel_err(fla.capture(ids, pos, lens), ref.capture(ids, pos, lens)) < 5e-2
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_equals_per_document_on_gpu_in_bf16(arch: str, tiny_dirs: dict[str, str]) -> None:
+    runner = TargetRunner.load(tiny_dirs[arch], device="cuda")  # auto: bf16, FLA when importable
+    assert runner.dtype == torch.bfloat16
+    docs, ids, pos, lens = _packed(DOC_LENS, seed=5)
+    packed = runner.capture(ids, pos, lens).cpu()
+    start = 0
+    for doc in docs:
+        alone = runner.capture_unpacked(doc).cpu()  # transformers' own forward, one document
+        assert _rel_err(packed[:, start:start + len(doc)], alone) < 5e-2
+        start += len(doc)
