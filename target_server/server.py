@@ -219,6 +219,11 @@ class TargetServer:
         self.dispatcher.reset(todo)
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        if not self.target_info:
+            # Not ready (loading / warming): the trainer repeats its HELLO until we are.
+            self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
+                                          error=f"target server is {self.state}; not serving yet"))
+            return
         s = self.session
         if s is not None and s.job != msg.job:
             alive = [p for p in s.peers.values() if self._peer_alive(p)]
@@ -488,8 +493,10 @@ class TargetServer:
         for w in self.workers:
             w.stop()
         for w in self.workers:
-            w.join(timeout=30)
-            w.close()
+            try:
+                w.join(timeout=30)
+            finally:
+                w.close()  # unlink the ring even if the worker misbehaved
         if self.channel is not None:
             self.channel.close()
         self._wake_pull.close(0)

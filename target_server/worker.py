@@ -76,7 +76,7 @@ class TargetWorker(threading.Thread):
         self.model_loads = 0
         self.batches = 0
         self.tokens = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     # ---- set-up ------------------------------------------------------------------------------
     def slot_size(self) -> int:
@@ -129,7 +129,7 @@ class TargetWorker(threading.Thread):
             self.notify()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def _next_seq(self) -> int | None:
         with self.stages.time("idle"):
@@ -181,7 +181,7 @@ class TargetWorker(threading.Thread):
         self.notify()
 
     def _serve_cpu(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             seq = self._next_seq()
             if seq is None:
                 continue
@@ -212,7 +212,7 @@ class TargetWorker(threading.Thread):
 
     def _acquire(self):
         """A slot context, waiting through a full ring; None when the worker is stopping."""
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             cm = self.ring.acquire(timeout=0.5)
             try:
                 slot = cm.__enter__()
@@ -234,7 +234,7 @@ class TargetWorker(threading.Thread):
                                      args=(work, staging, free_staging, copy_stream), daemon=True)
         publisher.start()
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 seq = self._next_seq()
                 if seq is None:
                     continue
@@ -288,7 +288,7 @@ class TargetWorker(threading.Thread):
             except BaseException as e:
                 log.exception("publisher of worker %d failed", self.worker)
                 self.error = e
-                self._stop.set()
+                self._halt.set()
                 self.dispatcher.done(seq)
                 return
             finally:
