@@ -125,8 +125,8 @@ class RingFeed:
                     not r.producer_alive() for r in self.rings.values())
                 if (server_gone or self.state in ("fenced", "connecting")) and now - last_hello > svc.request_timeout_s:
                     if server_gone and self.state == "streaming":
-                        log.warning("rank %d: target server silent for %.1fs; waiting for it", self.rank,
-                                    now - self._last_server)
+                        log.warning("rank %d: target server gone (silent for %.1fs or its ring producer died); "
+                                    "waiting for it", self.rank, now - self._last_server)
                         self.state = "waiting_for_target"
                     self._hello(chan)
                     last_hello = now
@@ -172,10 +172,11 @@ class RingFeed:
             log.warning("rank %d: unexpected %s from the target server", self.rank, type(msg).__name__)
 
     def _on_welcome(self, msg: Welcome) -> None:
-        if msg.consumer_epoch == self.consumer_epoch:
-            return
         known = {w: r.producer_epoch for w, r in self.rings.items()}
         fresh = {ri.worker: ri.producer_epoch for ri in msg.rings}
+        # A session is (the server's rings, consumer epoch): a restarted server counts epochs from 1 again.
+        if msg.consumer_epoch == self.consumer_epoch and known == fresh:
+            return  # an answer to a repeated HELLO
         if known and known != fresh:
             self.counters["reconnects"] += 1
             log.info("rank %d: new target server rings %s", self.rank, [ri.path for ri in msg.rings])

@@ -13,7 +13,7 @@ import pytest
 
 from e2e import Service, ctl, inspect_run, load, wait_for, write_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _serving(endpoint: str):
