@@ -146,6 +146,15 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
         return [_check_type(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is str and isinstance(value, bool):
+        # YAML 1.1 reads a bare `off` / `on` as a boolean; for string knobs (cuda_register: off) that is
+        # what the user wrote, so take it back.
+        return "on" if value else "off"
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `3e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected float, got {value!r}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):

@@ -57,6 +57,7 @@ class TargetServer:
         self.announced_pubs: set[tuple[int, int, int]] = set()
         self._stop = False
         self._lock = threading.Lock()          # counters/quarantine touched by worker threads
+        self._load_lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._wake_addr = f"inproc://dfpipe-wake-{id(self)}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
@@ -103,10 +104,13 @@ class TargetServer:
         from .target import TargetRunner
         from .tiny import resolve_target
         t = self.cfg.target
-        path = resolve_target(self.cfg.resolve(t.model), self.cfg.resolve(t.cache_dir),
-                              tokenizer_dir=self.cfg.resolve(t.tokenizer) or None)
-        return TargetRunner.load(path, device=device, dtype=t.dtype, layer_ids=t.layer_ids or None,
-                                 num_capture_layers=t.num_capture_layers)
+        # One load at a time: transformers' lazy imports are not thread-safe (two workers importing
+        # at once fail with "cannot import name 'AutoConfig'"), and the built-in target is built once.
+        with self._load_lock:
+            path = resolve_target(self.cfg.resolve(t.model), self.cfg.resolve(t.cache_dir),
+                                  tokenizer_dir=self.cfg.resolve(t.tokenizer) or None)
+            return TargetRunner.load(path, device=device, dtype=t.dtype, layer_ids=t.layer_ids or None,
+                                     num_capture_layers=t.num_capture_layers)
 
     def start(self) -> None:
         t = self.cfg.target

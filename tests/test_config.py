@@ -1,0 +1,64 @@
+"""Config: typos and wrong types are errors naming the key; overrides; derived defaults."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, default_gamma, default_layer_ids, load_config
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="train.lrr"):
+        load_config(_write(tmp_path, "train:\n  lrr: 0.1\n"))
+
+
+def test_wrong_type_is_an_error_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="data.token_budget: expected int"):
+        load_config(_write(tmp_path, "data:\n  token_budget: lots\n"))
+
+
+def test_overrides_apply_and_are_type_checked(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "train:\n  lr: 0.1\n"), ["train.lr=3e-4", "ring.slots=3"])
+    assert cfg.train.lr == 3e-4 and cfg.ring.slots == 3
+    with pytest.raises(ConfigError, match="train.epochs"):
+        load_config(None, ["train.epochs=many"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["train.lr"])
+
+
+def test_yaml_off_means_the_string_off(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "ring:\n  cuda_register: off\n")).ring.cuda_register == "off"
+    with pytest.raises(ConfigError, match="cuda_register"):
+        load_config(None, ["ring.cuda_register=on"])
+
+
+def test_cross_field_rules(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="max_len"):
+        load_config(None, ["data.token_budget=1024", "data.max_len=2048"])
+    with pytest.raises(ConfigError, match="sliding_window"):
+        load_config(None, ["drafter.num_layers=1", "drafter.layer_types=[sliding_attention]"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "train: [unclosed\n"))
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "data:\n  train_path: demo/chat.jsonl\n"))
+    assert cfg.resolve(cfg.data.train_path) == str(tmp_path / "demo" / "chat.jsonl")
+    assert cfg.resolve("builtin:tiny-qwen3.5") == "builtin:tiny-qwen3.5"
+
+
+def test_dflash_layer_ids_and_gamma_follow_the_published_recipe() -> None:
+    assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    with pytest.raises(ConfigError):
+        default_layer_ids(4, 5)

@@ -1,0 +1,268 @@
+"""The target server as a process, driven by a scripted consumer (no trainer): replay by the
+have set, several workers, bad messages, control commands, metrics, quarantine."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from common.channel import DealerChannel
+from common.config import load_config
+from common.metrics import StageTimes
+from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, next_rid
+from common.ring import ConsumerRing, ProducerRing
+from common.seqset import SeqSet
+from e2e import Service, ctl, load, wait_for, write_config
+from target_server.delivery import Dispatcher
+from target_server.worker import TargetWorker, audit_hidden
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class ScriptedConsumer:
+    """A trainer rank reduced to the protocol: HELLO, read announced slots, ack some of them."""
+
+    def __init__(self, endpoint: str, have: SeqSet, job: str) -> None:
+        self.chan = DealerChannel(endpoint)
+        self.chan.send(Hello(rid=next_rid(), job=job, rank=0, world=1, pid=os.getpid(), start_time=0,
+                             have=have, epochs=1, credit=2))
+        self.welcome = self._expect(Welcome, 120)
+        self.rings = {r.worker: ConsumerRing.attach(r.path, cuda_register="off") for r in self.welcome.rings}
+        self.acked: list[int] = []
+        self.ended = False
+
+    def _expect(self, kind: type, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self.chan.recv(timeout_s=0.5)
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, Reply) and not msg.ok:
+                self.chan.send(Hello(rid=next_rid(), job="retry", rank=0, world=1, pid=os.getpid(),
+                                     start_time=0, have=SeqSet(), epochs=1, credit=2))
+        raise AssertionError(f"no {kind.__name__} within {timeout}s")
+
+    def take(self, n: int, timeout: float = 120) -> list[int]:
+        """Ack the next n announced batches (checking each slot's payload); returns their seqs."""
+        got: list[int] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            msg = self.chan.recv(timeout_s=0.5)
+            if isinstance(msg, EpochEnd):
+                self.ended = True
+                break
+            if not isinstance(msg, Announce):
+                continue
+            view = self.rings[msg.worker].read(msg.slot, msg.pub_seq)
+            assert view.meta["seq"] == msg.seq
+            assert int(view.tensors["doc_lens"].sum()) == view.tensors["input_ids"].shape[0]
+            assert bool(torch.isfinite(view.tensors["hidden"]).all())
+            self.rings[msg.worker].ack(msg.slot, msg.pub_seq, msg.consumer_epoch)
+            self.chan.send(Ack(consumer_epoch=msg.consumer_epoch, worker=msg.worker, slot=msg.slot,
+                               pub_seq=msg.pub_seq, seq=msg.seq))
+            got.append(msg.seq)
+        self.acked += got
+        return got
+
+    def close(self) -> None:
+        for r in self.rings.values():
+            r.close()
+        self.chan.close()
+
+
+def _serving(endpoint: str):
+    s = ctl(endpoint, "status")
+    return s if s and s.get("state") == "serving" else None
+
+
+@pytest.fixture
+def two_worker_server(tmp_path: Path):
+    config = write_config(tmp_path, samples=60, target={"devices": ["cpu", "cpu"]})
+    cfg = load(config)
+    server = Service("target-server", config, tmp_path)
+    try:
+        status = wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        yield cfg, server, status
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.log()
+
+
+def test_a_new_session_gets_exactly_the_seqs_its_have_set_lacks(two_worker_server) -> None:
+    cfg, server, status = two_worker_server
+    endpoint = cfg["service"]["target_endpoint"]
+    assert len(status["ring"]) == 2, "one ring per worker"
+    total = sum(status["epoch_sizes"])
+    assert total >= 6
+    have = SeqSet([0, 2])
+
+    first = ScriptedConsumer(endpoint, have, job="first")
+    assert len(first.welcome.rings) == 2
+    got1 = first.take(3)
+    first.close()  # dies holding announced-but-unacked slots
+    time.sleep(0.5)
+
+    have2 = SeqSet.union_of(have, SeqSet(got1))
+    second = ScriptedConsumer(endpoint, have2, job="second")
+    got2 = second.take(total)
+    assert second.ended, "EPOCH_END after the last seq"
+    second.close()
+
+    assert not set(got1) & set(got2), "a seq acked in one session is never delivered again"
+    assert not (set(got1) | set(got2)) & {0, 2}, "seqs in the have set are never delivered"
+    assert sorted(set(got1) | set(got2) | {0, 2}) == list(range(total))
+    assert len(got2) == len(set(got2))
+    final = ctl(endpoint, "status")
+    assert final["model_loads"] == 1 and final["pid"] == server.pid
+    assert final["batches"]["quarantined"] == 0
+
+
+def test_garbage_and_wrong_epoch_messages_are_counted_and_dropped(two_worker_server) -> None:
+    cfg, server, _ = two_worker_server
+    endpoint = cfg["service"]["target_endpoint"]
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    for junk in (b"", b"\x00\xff\x13", b"\x81\xa1v\x63", os.urandom(2048)):
+        raw.send(junk)
+    chan = DealerChannel(endpoint)
+    chan.send(Ack(consumer_epoch=999, worker=0, slot=0, pub_seq=1, seq=0))  # a session that never was
+    reply = None
+    deadline = time.monotonic() + 10
+    while reply is None and time.monotonic() < deadline:
+        reply = chan.recv(timeout_s=0.5)
+    assert isinstance(reply, Fenced)
+    chan.close()
+    raw.close()
+    status = wait_for(lambda: (s := ctl(endpoint, "status")) and s["bad_messages"] >= 4 and s, 10,
+                      "bad messages counted")
+    assert status["state"] == "serving" and status["pid"] == server.pid
+    assert sum(status["ring"][0]["slots"].values()) == cfg["ring"]["slots"]
+
+
+def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) -> None:
+    cfg, server, _ = two_worker_server
+    endpoint = cfg["service"]["target_endpoint"]
+    config = tmp_path / "config.yaml"
+
+    def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dfpipe", *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    assert ctl(endpoint, "pause")["state"] == "paused"
+    assert ctl(endpoint, "status")["state"] == "paused"
+    assert ctl(endpoint, "resume")["state"] == "serving"
+    refused = run("ctl", "target", "checkpoint", "-c", str(config))
+    assert refused.returncode != 0 and "no durable state" in refused.stderr + refused.stdout
+    as_json = run("ctl", "target", "status", "--json", "-c", str(config))
+    assert as_json.returncode == 0 and '"model_loads": 1' in as_json.stdout
+    bad = run("ctl", "target", "explode", "-c", str(config))
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    t0 = time.monotonic()
+    silent = run("ctl", "trainer", "status", "-c", str(config), "--timeout", "1")
+    assert silent.returncode != 0 and "did not answer within 1s" in silent.stderr
+    assert time.monotonic() - t0 < 30
+    top = run("top", "-c", str(config), "--iterations", "1")
+    assert top.returncode == 0 and "target[serving]" in top.stdout and "trainer: not answering" in top.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint_exports_the_status_numbers(tmp_path: Path) -> None:
+    port = _free_port()
+    config = write_config(tmp_path, samples=20, service={"target_metrics_port": port})
+    cfg = load(config)
+    server = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "dfpipe_target_model_loads 1.0" in body
+        assert "dfpipe_target_batches_produced" in body
+        assert "dfpipe_target_stages_forward_seconds" in body
+    finally:
+        server.stop()
+
+
+class _NaNOnThirdCall:
+    """A stand-in target whose third batch comes out non-finite."""
+
+    def __init__(self, hidden_size: int = 8) -> None:
+        self.layer_ids, self.hidden_size, self.vocab_size = [1, 2], hidden_size, 64
+        self.dtype, self.device, self.calls = torch.float32, torch.device("cpu"), 0
+
+    def capture(self, input_ids, position_ids, doc_lens, out=None):
+        self.calls += 1
+        out = out if out is not None else torch.empty(2, input_ids.shape[0], self.hidden_size)
+        out.copy_(torch.randn(out.shape))
+        if self.calls == 3:
+            out[1, 0, 0] = float("nan")
+        return out
+
+
+class _Packer:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def batch(self, seq: int) -> list[int]:
+        return [seq]
+
+    def locate(self, seq: int) -> tuple[int, int]:
+        return 0, seq
+
+
+class _Dataset:
+    def sample(self, i: int):
+        return np.arange(5, dtype=np.int32), np.ones(5, dtype=np.uint8), 100 + i
+
+
+def test_a_non_finite_batch_is_quarantined_and_never_published(shm_dir: str, ring_name: str, monkeypatch) -> None:
+    import target_server.packer as packer_mod
+    monkeypatch.setattr(packer_mod, "build_packed", lambda ds, docs: {
+        "input_ids": np.arange(5, dtype=np.int32) + docs[0], "loss_mask": np.ones(5, np.uint8),
+        "position_ids": np.arange(5, dtype=np.int32), "doc_lens": np.array([5], np.int32),
+        "sample_ids": np.array([100 + docs[0]], np.int64)})
+    cfg = load_config(None, [f"ring.name={ring_name}", f"ring.shm_dir={shm_dir}", "ring.slots=4",
+                             "ring.cuda_register=off", "data.token_budget=16", "data.max_len=16",
+                             "target.warmup=false", "target.audit_every=0"])
+    dispatcher = Dispatcher()
+    dispatcher.reset([0, 1, 2, 3])
+    quarantined: list[tuple[int, str]] = []
+    worker = TargetWorker(0, "cpu", cfg, lambda device: _NaNOnThirdCall(), _Dataset(), _Packer(4), dispatcher,
+                          notify=lambda: None, on_quarantine=lambda seq, why: quarantined.append((seq, why)),
+                          stages=StageTimes())
+    worker.start()
+    try:
+        wait_for(lambda: worker.batches == 3 and dispatcher.idle(), 30, "worker done")
+        published = sorted(int(info.meta["seq"]) for info in worker.ring.ready())
+    finally:
+        worker.stop()
+        dispatcher.stop()
+        worker.join(10)
+        worker.close()
+    assert [seq for seq, _ in quarantined] == [2]
+    assert "non-finite" in quarantined[0][1]
+    assert published == [0, 1, 3]
+
+
+def test_audit_rejects_zero_rows_and_huge_norms() -> None:
+    good = torch.randn(2, 6, 8)
+    lens = np.array([6])
+    assert audit_hidden(good, lens, 1e4).ok
+    zero = good.clone()
+    zero[0, 3] = 0
+    assert "all-zero" in audit_hidden(zero, lens, 1e4).reason
+    assert "RMS" in audit_hidden(good * 1e6, lens, 1e4).reason
