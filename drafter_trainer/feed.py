@@ -65,6 +65,7 @@ class RingFeed:
         self.welcome: Welcome | None = None
         self.welcomed = threading.Event()
         self.consumer_epoch = -1
+        self._superseded_epoch = -1
         self.rings: dict[int, ConsumerRing] = {}
         self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
                          "reconnects": 0}
@@ -139,6 +140,10 @@ class RingFeed:
             chan.close()
 
     def _hello(self, chan: DealerChannel) -> None:
+        if self.state != "fenced" and self.consumer_epoch >= 0:
+            # This HELLO declares every queued batch as held, so a FENCED for the session it replaces
+            # (already on its way to us) must not drop them: the next session will not resend them.
+            self._superseded_epoch = self.consumer_epoch
         chan.send(Hello(rid=next_rid(), job=self.job, rank=self.rank, world=self.world, pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit))
@@ -162,7 +167,10 @@ class RingFeed:
         elif isinstance(msg, Pong):
             pass
         elif isinstance(msg, Fenced):
-            if msg.consumer_epoch == self.consumer_epoch and self.state != "fenced":
+            if msg.consumer_epoch == self._superseded_epoch:
+                log.info("rank %d: session %d ended (%s); already superseded by a new HELLO", self.rank,
+                         msg.consumer_epoch, msg.reason)
+            elif msg.consumer_epoch == self.consumer_epoch and self.state != "fenced":
                 self._on_fenced(msg.reason)
         elif isinstance(msg, Reply):
             if not msg.ok:

@@ -1,0 +1,121 @@
+"""End to end, trainer side: two torchrun ranks, a hung (SIGSTOPped) trainer, non-finite steps,
+and the README's main job (`dfpipe demo`)."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e import REPO, Service, ctl, inspect_run, load, wait_for, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _serving(endpoint: str):
+    s = ctl(endpoint, "status")
+    return s if s and s.get("state") == "serving" else None
+
+
+def _exactly_once(config: Path) -> dict:
+    info = inspect_run(config)
+    assert info["samples_trained"] == info["epoch_samples"] > 0, info
+    assert info["samples_duplicated"] == 0, info
+    return info
+
+
+class Torchrun(Service):
+    """`torchrun --nproc-per-node N -m dfpipe trainer` (gloo ranks on CPU)."""
+
+    def __init__(self, config: Path, log_dir: Path, nproc: int) -> None:
+        self.role = "torchrun"
+        self.log_path = log_dir / "torchrun.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", "-m", "dfpipe", "trainer", "-c", str(config)]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+
+def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=100)
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        ranks = Torchrun(config, tmp_path, nproc=2)
+        try:
+            assert ranks.wait(600) == 0, ranks.log()
+        finally:
+            ranks.stop()
+        info = _exactly_once(config)
+        status = ctl(cfg["service"]["target_endpoint"], "status")
+        assert status["sessions"] == 1, "both ranks joined one trainer session"
+        assert info["batches"] == sum(status["epoch_sizes"])
+        log = ranks.log(tail=10_000)
+        assert "trainer[1]" in log and "trainer[0] INFO exported drafter" in log
+    finally:
+        target.stop()
+
+
+def test_a_hung_trainer_is_fenced_and_rejoins_without_losing_or_repeating_a_sample(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=120)
+    cfg = load(config)
+    ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    target = Service("target-server", config, tmp_path)
+    trainer = None
+    try:
+        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        trainer = Service("trainer", config, tmp_path)
+        wait_for(lambda: (s := ctl(ep_trainer, "status")) and s.get("batches_trained", 0) >= 3 and s, 180,
+                 "trainer stepping")
+        os.kill(trainer.pid, signal.SIGSTOP)
+        fenced = wait_for(lambda: (s := ctl(ep_target, "status")) and s["fenced"] >= 1 and s, 30,
+                          "target to fence the stopped trainer")
+        assert fenced["session"] is None
+        os.kill(trainer.pid, signal.SIGCONT)
+        assert trainer.wait(300) == 0, trainer.log()
+        assert "fenced by the target server" in trainer.log(tail=10_000)
+        _exactly_once(config)
+        assert ctl(ep_target, "status")["sessions"] >= 2
+    finally:
+        if trainer is not None:
+            if trainer.alive():
+                os.kill(trainer.pid, signal.SIGCONT)
+            trainer.stop()
+        target.stop()
+
+
+def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=80)
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        # an absurd learning rate blows the weights up after one step: every later loss is non-finite
+        trainer = Service("trainer", config, tmp_path, overrides=["train.lr=1e30", "train.max_bad_steps=3",
+                                                                  "train.warmup_ratio=0.0"])
+        assert trainer.wait(300) == 3, trainer.log()
+        log = trainer.log(tail=10_000)
+        assert "skipped: non-finite loss or gradient (seq" in log
+        assert "non-finite steps in a row: checkpointed and stopping" in log
+        info = inspect_run(config)
+        assert info["skipped_steps"] >= 3 and info["samples_duplicated"] == 0
+    finally:
+        target.stop()
+
+
+def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "demo-run"
+    res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "samples trained      2000 of 2000 (duplicated: 0)" in res.stdout
+    assert "/dev/shm left over   none" in res.stdout
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
+    assert glob.glob(str(out / "tensorboard" / "events.out.tfevents.*"))
+    assert not glob.glob("/dev/shm/dfpipe-demo.*")
