@@ -122,9 +122,11 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device) -> 
         target_config = json.load(f)
     dcfg = DFlashConfig.from_target(target_config, cfg.drafter, list(target["layer_ids"]),
                                     mask_token_id(cfg, target_dir))
-    model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc)
+    # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
+    with device:
+        model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc)
     model.load_target_head(target_dir)
-    return model.to(device)
+    return model
 
 
 # ---- the trainer -------------------------------------------------------------------------------

@@ -234,7 +234,10 @@ class TargetRunner:
             ids = input_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
             pos = position_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
             hidden = self.model.embed_tokens(ids)
-            rope = self.model.rotary_emb(hidden, pos)
+            # Qwen3.5's multimodal RoPE takes (3, batch, T) position rows; transformers 5.24 broadcasts a
+            # (batch, T) tensor itself but 5.17 (the GPU host) indexes three dimensions.
+            rope_pos = pos[None].expand(3, -1, -1) if hasattr(self.model.rotary_emb, "mrope_section") else pos
+            rope = self.model.rotary_emb(hidden, rope_pos)
             for i in range(self.layer_ids[-1] + 1):
                 hidden = self._decoder_layer(i, hidden, rope, docs)
                 plane = self._plane_of.get(i)

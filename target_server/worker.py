@@ -37,11 +37,14 @@ class AuditResult:
 
 
 def audit_hidden(hidden: torch.Tensor, doc_lens: np.ndarray, max_rms: float) -> AuditResult:
-    """Cheap checks on every batch: finite, no all-zero token rows, row RMS in range."""
-    h = hidden.float()
-    if not bool(torch.isfinite(h).all()):
+    """Cheap checks on every batch: finite, no all-zero token rows, row RMS in range.
+
+    One fp32 norm per row ([k, T] values): a NaN or Inf anywhere in a row makes its norm NaN or
+    Inf, so no full-size fp32 copy of the planes is ever made.
+    """
+    rms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32) / hidden.shape[-1] ** 0.5  # [k, T]
+    if not bool(torch.isfinite(rms).all()):
         return AuditResult(False, "non-finite values in captured hidden states")
-    rms = h.pow(2).mean(dim=-1).sqrt()              # [k, T]
     zero_rows = int((rms == 0).sum())
     if zero_rows:
         return AuditResult(False, f"{zero_rows} all-zero captured rows")
@@ -250,10 +253,21 @@ class TargetWorker(threading.Thread):
                                             torch.from_numpy(arrays["doc_lens"]), out=out)
                         forward_done = torch.cuda.Event()
                         forward_done.record()
-                work.put((seq, arrays, buf, out, forward_done))
+                self._put_alive(work, (seq, arrays, buf, out, forward_done), publisher)
         finally:
-            work.put(None)
-            publisher.join()
+            self._put_alive(work, None, publisher)
+            publisher.join(timeout=60)
+
+    def _put_alive(self, work: queue.Queue, item, publisher: threading.Thread) -> None:
+        """Hand work to the publisher; never block on a publisher that has died."""
+        while publisher.is_alive():
+            try:
+                work.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        if item is not None:
+            raise RuntimeError(f"publisher of worker {self.worker} died: {self.error!r}")
 
     def _publish_cuda(self, work: queue.Queue, staging: list[torch.Tensor], free_staging: queue.Queue,
                       copy_stream: torch.cuda.Stream) -> None:
@@ -265,8 +279,11 @@ class TargetWorker(threading.Thread):
             t = out.shape[1]
             published = False
             try:
-                forward_done.synchronize()  # the audit reads the staging buffer; the forward thread is not blocked
-                ok = self._audit(seq, out, arrays)
+                # Audit on the copy stream, ordered after this batch's forward only: on the forward
+                # stream its host sync would also wait for the next forward.
+                with torch.cuda.stream(copy_stream):
+                    copy_stream.wait_event(forward_done)
+                    ok = self._audit(seq, out, arrays)
                 if ok:
                     with self.stages.time("ring_full_wait"):
                         ctx = self._acquire()

@@ -39,6 +39,11 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
         "service": {"target_endpoint": f"ipc://{sock}/target.sock", "trainer_endpoint": f"ipc://{sock}/trainer.sock",
                     "heartbeat_s": 0.3, "lease_s": 3.0, "rescan_s": 0.1, "request_timeout_s": 1.0},
     }
+    # The same end-to-end tests run on the GPU host with the services on CUDA devices.
+    if os.environ.get("DFPIPE_TEST_TARGET_DEVICES"):
+        cfg["target"]["devices"] = os.environ["DFPIPE_TEST_TARGET_DEVICES"].split(",")
+    if os.environ.get("DFPIPE_TEST_TRAINER_DEVICE"):
+        cfg["train"]["device"] = os.environ["DFPIPE_TEST_TRAINER_DEVICE"]
     for name, values in sections.items():
         cfg[name].update(values)
     path = tmp / "config.yaml"

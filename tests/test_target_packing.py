@@ -223,9 +223,11 @@ def test_fla_target_forward_matches_the_torch_path_on_gpu(real_fla: None, tiny_d
 
 @cuda_only
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_equals_per_document_on_gpu_in_bf16(arch: str, tiny_dirs: dict[str, str]) -> None:
+def test_packed_equals_per_document_on_gpu_in_bf16(arch: str, real_fla: None, tiny_dirs: dict[str, str]) -> None:
     runner = TargetRunner.load(tiny_dirs[arch], device="cuda")  # auto: bf16, FLA when importable
     assert runner.dtype == torch.bfloat16
+    if arch == "qwen3.5":
+        assert runner.linear_backend == "fla", "on a GPU the packed path must run FLA's varlen kernels"
     docs, ids, pos, lens = _packed(DOC_LENS, seed=5)
     packed = runner.capture(ids, pos, lens).cpu()
     start = 0

@@ -1,0 +1,722 @@
+"""The GPU benchmark suite of dfpipe: one part per process, every figure into $OUT/results.json.
+
+    bash bench/gpu/run_all.sh [flags]            # what to run on the GPU host (runs every part below)
+    python bench/gpu/gpu_bench.py <part> [flags]   # one part; `env` first (it builds the fixtures)
+
+Parts (in run_all.sh order):
+
+    env        versions, device, builds the 27B-shaped target and the synthetic dataset (fixtures.py)
+    tests      the CUDA tests of tests/ as CI has them, then again with FLA really loaded
+    copycheck  >= 100 batches through the real TargetWorker CUDA path (staging -> copy stream ->
+               registered slot -> event -> publish), each slot compared bit for bit with a plain
+               forward + synchronous .cpu(); and FLA packed == per-document on the 27B shape
+    p1         transport: GPU -> registered slot -> second process's GPU vs pinned D2H    (P1)
+    p5         drafter step: fwd+bwd+AdamW time, FLOPs, MFU vs measured matmul peak,
+               and drafter-alone tok/s on the dataset's batches (for P6)                   (P5)
+    p23        target worker vs bare forward (P2), packed vs padded (P3)
+    services   real target-server + trainer processes: cold start, together, warm restart (P4, P6)
+
+run_all.sh records each part's exit code and prints the table with `python -m bench.gpu.results`.
+
+Every size is a flag; `--quick` switches to tiny sizes (the CPU smoke run). Without CUDA and
+without --quick every part says "skipped: no CUDA".
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.gpu import fixtures  # noqa: E402
+from bench.gpu.results import PART_OF, ResultStore  # noqa: E402
+
+FULL: dict[str, Any] = dict(
+    # target: Qwen3.5-27B widths (its config.json), only `layers` layers, capture ids inside them
+    hidden=5120, layers=8, capture_ids="1,2,4,6,7", heads=24, kv_heads=4, head_dim=256, intermediate=17408,
+    linear_k_heads=16, linear_v_heads=48, linear_k_dim=128, linear_v_dim=128, vocab=248320, mask_token_id=248070,
+    # data
+    token_budget=16384, max_len=3072, median=512.0, sigma=1.0, dataset_docs=4000,
+    # parts
+    copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots=3, p2_batches=16, p2_warmup=3, p3_docs=96,
+    p5_tokens=3072, p5_docs=2, anchors=512, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
+    p5_warmup=2, p6_seconds=20.0, p6_skip_steps=3, ring_slots=4, matmul_n=8192, step_timeout=420.0,
+)
+QUICK: dict[str, Any] = dict(
+    FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
+    linear_k_dim=32, linear_v_dim=32, vocab=2048, mask_token_id=2040, token_budget=512, max_len=256,
+    median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p3_docs=24,
+    p5_tokens=256, anchors=32, loss_chunk=256, p5_steps=3, p5_warmup=1, p6_seconds=6.0, p6_skip_steps=2,
+    matmul_n=512, step_timeout=240.0,
+)
+TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
+              "tests/test_drafter_model.py")
+GPU_TEST_FILTER = "gpu or cuda"   # test names and the gpu marker (substring match: not "fla", which matches "dflash")
+EXPECTED_SKIPS = ("checks the behaviour without CUDA",)   # test_ring's CPU-only check, skipped on a GPU host
+STALE_ROW_REL_ERR = 0.25   # a row off by this much of its norm is another batch's, torn or zero: a copy fault
+
+
+TERMINATED = 143   # exit code of a part stopped by SIGTERM (128 + 15)
+
+
+class SkipPart(Exception):
+    """The part cannot run here (no CUDA, missing fixtures of a skipped part); the message says why."""
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    store: ResultStore
+    device: torch.device
+    workdir: str
+    shm_dir: str
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def ring_name(self, part: str) -> str:
+        return f"dfpgb-{part}-{os.getpid()}"
+
+    def cuda_register(self) -> str:
+        return "require" if self.cuda else "off"
+
+
+# ---- parts ---------------------------------------------------------------------------------------
+def part_env(ctx: Ctx) -> str:
+    a = ctx.args
+    info = versions(ctx.device)
+    for k, v in info.items():
+        print(f"{k:>24}: {v}")
+    ctx.store.update(lambda d: d["meta"].update(versions=info))
+    if not ctx.cuda and not a.quick:
+        raise SkipPart("no CUDA: fixtures of the 27B shape are built only on a GPU host (or pass --quick)")
+    shape = target_shape(a)
+    key = {"shape": fixtures.shape_dict(shape), "token_budget": a.token_budget, "max_len": a.max_len,
+           "median": a.median, "sigma": a.sigma, "dataset_docs": a.dataset_docs, "seed": a.seed,
+           "device_type": ctx.device.type}
+    target_dir, data_dir = os.path.join(ctx.workdir, "target"), os.path.join(ctx.workdir, "data")
+    try:
+        old = fixtures.read_manifest(ctx.workdir)
+    except FileNotFoundError:
+        old = {}
+    if old.get("key") == key and os.path.isfile(os.path.join(target_dir, "config.json")):
+        print(f"fixtures in {ctx.workdir} match these sizes: reused")
+        return "reused fixtures"
+    for path in (target_dir, data_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    build_s = fixtures.build_target(target_dir, shape, ctx.device, seed=a.seed)
+    lengths = fixtures.document_lengths(a.dataset_docs, a.median, a.sigma, a.max_len, a.seed)
+    tokens = fixtures.write_dataset(data_dir, lengths, shape.vocab, shape.mask_token_id, a.seed)
+    disk = sum(os.path.getsize(os.path.join(target_dir, f)) for f in os.listdir(target_dir))
+    fixtures.write_manifest(ctx.workdir, {"key": key, "shape": key["shape"], "target_dir": target_dir,
+                                          "data_dir": data_dir, "token_budget": a.token_budget, "max_len": a.max_len})
+    figures = {"target_build_s": build_s, "target_gb_on_disk": disk / 1e9, "dataset_docs": len(lengths),
+               "dataset_tokens": tokens, "doc_len_mean": float(lengths.mean()),
+               "doc_len_p50": float(np.median(lengths)), "doc_len_max": int(lengths.max())}
+    ctx.store.figures("env", **figures)
+    print(json.dumps(figures, indent=1))
+    return "built fixtures"
+
+
+def part_tests(ctx: Ctx) -> str:
+    work = os.path.join(ctx.workdir, "tests")
+    os.makedirs(work, exist_ok=True)
+    files = [f for f in TEST_FILES if os.path.isfile(os.path.join(REPO, f))]
+    runs = {
+        "as_ci": ([*files, "-k", GPU_TEST_FILTER], {}),
+        # conftest blocks FLA; this run loads it first, so every Qwen3.5 path really runs FLA
+        "real_fla": (["-p", "bench.gpu.pytest_real_fla", "tests/test_target_packing.py", "-k", "gpu"],
+                     {"DFPIPE_BENCH_BACKENDS": os.path.join(work, "backends.json")}),
+    }
+    summary: dict[str, Any] = {}
+    problems: list[str] = []
+    for stale in os.listdir(work):  # a crashed pytest must not leave an earlier run's report to be read
+        os.unlink(os.path.join(work, stale))
+    for name, (argv, extra_env) in runs.items():
+        xml = os.path.join(work, f"{name}.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", *argv]
+        print(f"\n$ {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **extra_env}).returncode
+        cases = junit_cases(xml)
+        counts = {k: sum(1 for c in cases if c["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
+        unexpected = [c for c in cases if c["outcome"] == "skipped" and ctx.cuda
+                      and not any(s in c["message"] for s in EXPECTED_SKIPS)]
+        summary[name] = {"rc": rc, **counts, "cases": cases, "unexpected_skips": [c["test"] for c in unexpected]}
+        if rc not in (0, 5) or counts["failed"] or counts["error"]:
+            problems.append(f"{name}: rc {rc}, {counts['failed']} failed, {counts['error']} errors")
+        if unexpected:
+            problems.append(f"{name}: skipped on a CUDA host: {[c['test'] for c in unexpected]}")
+    backends = _read_json(os.path.join(work, "backends.json"))
+    summary["real_fla_backends"] = backends
+    if ctx.cuda:
+        packed = [ld for ld in backends.get("loads", []) if "packed_equals_per_document" in ld["test"]]
+        if not backends.get("fla_version"):
+            problems.append(f"FLA not importable: {backends.get('fla_error')}")
+        elif not packed or any(ld["backend"] != "fla" for ld in packed):
+            problems.append(f"packed == per-document did not run on FLA: {packed}")
+    ctx.store.figures("tests", **summary)
+    if problems:
+        raise AssertionError("; ".join(problems))
+    if not ctx.cuda:
+        return "all CUDA tests skipped: no CUDA"
+    return "pass"
+
+
+def part_copycheck(ctx: Ctx) -> str:
+    """Async copy (the worker's CUDA path) == sync copy, bit for bit, over >= --copy-batches batches.
+
+    The reference of every batch is computed first: a plain forward, then a plain synchronous
+    `.cpu()`. Then the real TargetWorker serves the same seqs and each published slot is compared
+    byte for byte. Should the forward itself not be bitwise reproducible (the worker runs it in
+    another thread, with its own cuBLAS handle), a differing batch is still told apart from a
+    copy fault: a stale, torn or zero row differs by O(1) of its norm, rounding by far less.
+    """
+    from common.batch import TOKEN_TENSORS
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer, build_packed
+    from bench.gpu.worker_harness import run_worker, worker_config
+
+    a = ctx.args
+    manifest = fixtures.read_manifest(ctx.workdir)
+    if a.copy_budget < manifest["max_len"]:
+        raise ValueError(f"--copy-budget {a.copy_budget} is below the dataset's max_len {manifest['max_len']}")
+    runner = fixtures.load_runner(manifest, ctx.device, a.allow_torch_linear)
+    dataset = PreparedDataset.open(manifest["data_dir"])
+    packer = Packer(dataset.lengths, a.copy_budget, a.seed)
+    seqs = list(range(min(a.copy_batches, packer.epoch_size(0))))
+    figures: dict[str, Any] = {"batches": len(seqs), "token_budget": a.copy_budget, "device": str(ctx.device),
+                               "linear_backend": runner.linear_backend}
+    t0 = time.perf_counter()
+    runner.warmup(a.copy_budget)
+    figures["first_forward_s"] = time.perf_counter() - t0
+
+    refs: dict[int, tuple[torch.Tensor, dict[str, np.ndarray]]] = {}
+    for seq in seqs:
+        arrays = build_packed(dataset, packer.batch(seq))
+        refs[seq] = (runner.capture(*fixtures.batch_tensors(arrays)).cpu(), arrays)
+    first = fixtures.batch_tensors(refs[seqs[0]][1])
+    figures["forward_bitwise_deterministic"] = same_bytes(runner.capture(*first).cpu(), refs[seqs[0]][0])
+    box: list[torch.Tensor] = []
+    probe = threading.Thread(target=lambda: box.append(runner.capture(*first).cpu()))
+    probe.start()
+    probe.join()
+    figures["forward_bitwise_deterministic_across_threads"] = bool(box) and same_bytes(box[0], refs[seqs[0]][0])
+    figures["reference_gb"] = sum(r.numel() * r.element_size() for r, _ in refs.values()) / 1e9
+
+    mismatches: list[dict[str, Any]] = []
+    seen: list[int] = []
+
+    def check(view: Any) -> None:
+        seq = int(view.meta["seq"])
+        ref, arrays = refs[seq]
+        hidden = view.tensors["hidden"]
+        bad_tokens = [k for k in TOKEN_TENSORS if not np.array_equal(view.tensors[k].numpy(), arrays[k])]
+        if not same_bytes(hidden, ref) or bad_tokens:
+            mismatches.append({"seq": seq, "bad_tokens": bad_tokens,
+                               "max_row_rel_err": max_row_rel_err(hidden, ref) if hidden.shape == ref.shape else None})
+        seen.append(seq)
+
+    cfg = worker_config(a.copy_budget, manifest["max_len"], ctx.ring_name("copy"), ctx.shm_dir, 3,
+                        ctx.cuda_register(), a.audit_every)
+    run = run_worker(runner, cfg, dataset, packer, seqs, on_slot=check)
+    refs.clear()  # ~16 GB of host memory at full size
+    faults = [m for m in mismatches if m["bad_tokens"] or m["max_row_rel_err"] is None
+              or m["max_row_rel_err"] > STALE_ROW_REL_ERR]
+    figures.update({"compared": len(seen), "distinct_seqs": len(set(seen)), "bitwise_mismatches": len(mismatches),
+                    "copy_faults": len(faults), "first_mismatches": mismatches[:5], "quarantined": run.quarantined[:5],
+                    "invalid_after_read": run.invalid_after_read, "worker_stages": run.stages})
+    problems = []
+    if len(seen) != len(seqs) or len(set(seen)) != len(seqs) or len(seqs) < min(100, a.copy_batches):
+        problems.append(f"{len(set(seen))} distinct of {len(seqs)} batches compared")
+    if faults or run.quarantined or run.invalid_after_read:
+        problems.append(f"{len(faults)} copy faults, {len(run.quarantined)} quarantined, "
+                        f"{run.invalid_after_read} slots changed while read")
+    if ctx.cuda:
+        try:
+            errs = fla_packed_vs_per_document(runner, manifest)
+            figures["fla_packed_vs_per_document_rel_err"] = errs
+            if max(errs) >= 5e-2:
+                problems.append(f"FLA packed != per-document (relative errors {errs})")
+        except Exception as e:
+            traceback.print_exc()
+            problems.append(f"FLA packed vs per-document check failed: {type(e).__name__}: {e}")
+    ctx.store.figures("copycheck", **figures)
+    print(json.dumps({k: v for k, v in figures.items() if k != "worker_stages"}, indent=1, default=str))
+    if problems:
+        raise AssertionError("; ".join(problems))
+    if mismatches:
+        return (f"pass: equal up to forward rounding, not bitwise ({len(mismatches)} batches, max row error "
+                f"{max(m['max_row_rel_err'] for m in mismatches):.2g}; the forward differs across threads)")
+    return f"pass: {len(seen)} batches bitwise equal"
+
+
+def part_p1(ctx: Ctx) -> str:
+    from bench.gpu.transport import consumer_device_for, run_transport
+
+    a = ctx.args
+    manifest = fixtures.read_manifest(ctx.workdir)
+    shape = fixtures.shape_of(manifest)
+    figures = run_transport(len(shape.capture_ids), manifest["token_budget"], shape.hidden, ctx.device,
+                            consumer_device_for(ctx.device), ctx.shm_dir, ctx.ring_name("p1"), a.p1_slots,
+                            a.p1_iters, os.path.abspath(__file__))
+    ctx.store.figures("p1", **figures)
+    print(json.dumps(figures, indent=1))
+    ctx.store.benchmark("P1", {"ring_over_pinned_d2h": figures["ring_over_pinned_d2h"]}, figures)
+    return "measured"
+
+
+def part_p5(ctx: Ctx) -> str:
+    """P5 at the brief's size, then drafter-alone tok/s on the dataset's own batches (P6's denominator)."""
+    from bench.trainer_bench import step_flops, synthetic_batch
+    from common.config import DrafterConfig, default_gamma
+    from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors
+    from drafter_trainer.loss import dflash_loss
+    from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer, build_packed
+
+    a = ctx.args
+    dev = ctx.device
+    manifest = fixtures.read_manifest(ctx.workdir)
+    shape = fixtures.shape_of(manifest)
+    peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
+    ctx.store.figures("p5", matmul_peak_tflops=peak, matmul_n=a.matmul_n)
+    print(f"matmul {a.matmul_n}^3 peak: {peak:.1f} TFLOP/s")
+
+    with open(os.path.join(manifest["target_dir"], "config.json"), encoding="utf-8") as f:
+        target_config = json.load(f)
+    dcfg = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=a.drafter_layers, block_size=a.block,
+                                                                 max_anchors=a.anchors, loss_chunk=a.loss_chunk),
+                                    list(shape.capture_ids), shape.mask_token_id)
+    torch.manual_seed(a.seed)
+    with torch.device(dev):  # initialised where it trains: a CPU init of ~2B parameters takes long
+        model = DFlashDraftModel(dcfg)
+    head_dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+    model.set_target_head(torch.randn(dcfg.vocab_size, dcfg.hidden_size, device=dev, dtype=head_dtype, generator=g)
+                          * 0.02,
+                          torch.randn(dcfg.vocab_size, dcfg.hidden_size, device=dev, dtype=head_dtype, generator=g)
+                          * 0.02)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.0)   # as drafter_trainer.train
+    gamma = default_gamma(a.block)
+    hidden_dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    attn = "sdpa" if ctx.cuda else "split"   # what attn_impl="auto" picks
+
+    def blocks_for(batch: Any, seq: int) -> Any:
+        gen = torch.Generator().manual_seed(anchor_seed(a.seed, batch.epoch, seq))
+        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), a.anchors, gen)
+        return build_blocks(batch, anchors.to(dev), a.block, dcfg.mask_token_id, gamma)
+
+    def step(batch: Any, blocks: Any) -> None:
+        """drafter_trainer.train.train_loop's step for one rank: loss, backward, clip, finite check, AdamW."""
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=ctx.cuda):
+            out = dflash_loss(model, batch, blocks, a.loss_chunk)
+        out.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if bool(torch.isfinite(norm)) and bool(torch.isfinite(out.loss.detach())):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed(work: list[tuple[Any, Any]], warmup: int, steps: int) -> list[float]:
+        for i in range(warmup):
+            step(*work[i % len(work)])
+        fixtures.synchronize(dev)
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = []
+        for i in range(steps):
+            timer = fixtures.RegionTimer(dev).start()
+            step(*work[i % len(work)])
+            times.append(timer.stop().seconds())
+        return times
+
+    # P5: the brief's size (one 3072-token row, 512 anchors)
+    numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_max": a.anchors, "block": a.block,
+                               "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
+                               "heads": f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads}x{dcfg.head_dim}",
+                               "intermediate": dcfg.intermediate_size, "vocab": dcfg.vocab_size, "attn": attn,
+                               "matmul_peak_tflops": peak, "params_trainable_b": sum(p.numel() for p in params) / 1e9}
+    try:
+        batch = synthetic_batch(a.p5_tokens, a.p5_docs, len(shape.capture_ids), shape.hidden, dcfg.vocab_size,
+                                a.seed, dev, hidden_dtype)
+        blocks = blocks_for(batch, 0)
+        base_mem = torch.cuda.memory_allocated(dev) if ctx.cuda else 0
+        times = timed([(batch, blocks)], a.p5_warmup, a.p5_steps)
+        flops = step_flops(dcfg, batch, blocks, attn)
+        step_s = float(np.median(times))
+        numbers.update({"anchors": blocks.num_blocks, "step_s": step_s, "step_s_all": times,
+                        "model_tflop": flops["model_total"] / 1e12, "executed_tflop": flops["executed_total"] / 1e12,
+                        "flops_by_component_tflop": {k: v / 1e12 for k, v in flops.items()},
+                        "model_tflops_per_s": flops["model_total"] / step_s / 1e12,
+                        "mfu": flops["model_total"] / step_s / 1e12 / peak,
+                        "executed_mfu": flops["executed_total"] / step_s / 1e12 / peak})
+        if ctx.cuda:
+            numbers["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+            numbers["step_mem_above_state_gb"] = (torch.cuda.max_memory_allocated(dev) - base_mem) / 1e9
+        print(json.dumps(numbers, indent=1))
+        ctx.store.benchmark("P5", {"mfu": numbers["mfu"]}, numbers)
+        del batch, blocks
+    except Exception as e:
+        traceback.print_exc()
+        ctx.store.benchmark_error("P5", f"{type(e).__name__}: {e}", numbers)
+
+    # Drafter alone on the services' batches: token budget rows of the synthetic dataset
+    dataset = PreparedDataset.open(manifest["data_dir"])
+    packer = Packer(dataset.lengths, manifest["token_budget"], a.seed)
+    work = []
+    for seq in range(3):
+        arrays = build_packed(dataset, packer.batch(seq))
+        t = len(arrays["input_ids"])
+        hidden = torch.randn(len(shape.capture_ids), t, shape.hidden, generator=g, device=dev, dtype=hidden_dtype)
+        batch = fixtures.packed_batch(arrays, hidden, seq, dev)
+        work.append((batch, blocks_for(batch, seq)))
+    times = timed(work, a.p5_warmup, a.p5_steps)
+    tokens = sum(work[i % len(work)][0].num_tokens for i in range(len(times)))
+    alone = {"drafter_alone_tok_s": tokens / sum(times), "drafter_alone_step_s": float(np.median(times)),
+             "drafter_alone_tokens_per_batch": tokens / len(times)}
+    if ctx.cuda:
+        alone["drafter_alone_peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+    ctx.store.figures("p5", **alone)
+    print(json.dumps(alone, indent=1))
+    return "measured"
+
+
+def part_p23(ctx: Ctx) -> str:
+    from bench.gpu.worker_harness import run_worker, worker_config
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer, build_packed
+
+    a = ctx.args
+    dev = ctx.device
+    manifest = fixtures.read_manifest(ctx.workdir)
+    budget, max_len = manifest["token_budget"], manifest["max_len"]
+    runner = fixtures.load_runner(manifest, dev, a.allow_torch_linear)
+    t0 = time.perf_counter()
+    runner.warmup(budget)
+    ctx.store.figures("p23", first_forward_s=time.perf_counter() - t0, linear_backend=runner.linear_backend)
+    failed = []
+
+    # P2: the server's worker path vs the bare forward over the same batches
+    numbers: dict[str, Any] = {"batches_timed": a.p2_batches, "token_budget": budget, "audit_every": a.audit_every}
+    try:
+        dataset = PreparedDataset.open(manifest["data_dir"])
+        packer = Packer(dataset.lengths, budget, a.seed)
+        seqs = list(range(a.p2_warmup + a.p2_batches))
+        batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
+        for b in batches[: a.p2_warmup]:
+            runner.capture(*b)
+        timer = fixtures.RegionTimer(dev).start()
+        for b in batches[a.p2_warmup:]:
+            runner.capture(*b)
+        bare_s = timer.stop().seconds()
+        tokens = sum(int(b[0].numel()) for b in batches[a.p2_warmup:])
+        numbers.update(bare_tok_s=tokens / bare_s, tokens_timed=tokens)
+        del batches
+
+        def cfg() -> Any:
+            return worker_config(budget, max_len, ctx.ring_name("p2"), ctx.shm_dir, a.ring_slots, ctx.cuda_register(),
+                                 a.audit_every)
+        run = run_worker(runner, cfg(), dataset, packer, seqs)
+        numbers.update(worker_tok_s=run.tokens_per_s(a.p2_warmup - 1), worker_stages=run.stages,
+                       quarantined=len(run.quarantined))
+        # diagnostic: the same worker without its per-batch hidden-state audit
+        quiet = run_worker(runner, cfg(), dataset, packer, seqs,
+                           patch=lambda w: setattr(w, "_audit", lambda seq, hidden, arrays: True))
+        numbers["worker_without_audit_tok_s"] = quiet.tokens_per_s(a.p2_warmup - 1)
+        ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
+        ratio = numbers["worker_tok_s"] / numbers["bare_tok_s"]
+        print(json.dumps({k: v for k, v in numbers.items() if k != "worker_stages"}, indent=1))
+        ctx.store.benchmark("P2", {"worker_over_bare_forward": ratio}, numbers)
+    except Exception as e:
+        traceback.print_exc()
+        failed.append("P2")
+        ctx.store.benchmark_error("P2", f"{type(e).__name__}: {e}", numbers)
+
+    # P3: packed (varlen) vs padded (transformers' batched forward), bench/target_bench's own runs
+    numbers = {"docs": a.p3_docs, "median": a.median, "sigma": a.sigma, "max_len": max_len, "token_budget": budget}
+    try:
+        from bench.target_bench import lognormal_lengths, pack_rows, run_packed, run_padded
+
+        lens = lognormal_lengths(a.p3_docs, a.median, a.sigma, max_len, a.seed + 1)
+        g = torch.Generator().manual_seed(a.seed + 1)
+        top = min(runner.vocab_size, manifest["shape"]["mask_token_id"])
+        docs = [torch.randint(0, top, (n,), generator=g) for n in lens]
+        rows = pack_rows(lens, budget)
+        per_batch = max(1, budget // max_len)
+        real = sum(lens)
+        # each run twice: the first pays for new kernel shapes (padded widths, autotune)
+        for _ in range(2):
+            _, t_packed = run_packed(runner, docs, rows)
+        for _ in range(2):
+            computed_padded, t_padded = run_padded(runner, docs, per_batch)
+        packed_computed = sum(sum(lens[i] for i in row) for row in rows)
+        numbers.update({"real_tokens": real, "packed_rows": len(rows), "packed_fill": real / (len(rows) * budget),
+                        "padded_batch_docs": per_batch, "packed_tok_s": real / t_packed,
+                        "padded_tok_s": real / t_padded,
+                        "packed_computed_over_real": packed_computed / real,
+                        "padded_computed_over_real": computed_padded / real,
+                        "static_padded_computed_over_real": len(lens) * max_len / real})
+        print(json.dumps(numbers, indent=1))
+        ctx.store.benchmark("P3", {"packed_over_padded_tok_s": numbers["packed_tok_s"] / numbers["padded_tok_s"],
+                                   "packed_computed_over_real": numbers["packed_computed_over_real"]}, numbers)
+    except Exception as e:
+        traceback.print_exc()
+        failed.append("P3")
+        ctx.store.benchmark_error("P3", f"{type(e).__name__}: {e}", numbers)
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} failed (see the log)")
+    return "measured"
+
+
+def part_services(ctx: Ctx) -> str:
+    from bench.gpu.services import ServicePlan, run_services
+
+    a = ctx.args
+    manifest = fixtures.read_manifest(ctx.workdir)
+    plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, device=str(ctx.device) if ctx.cuda else "cpu",
+                       ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, slots=a.ring_slots, anchors=a.anchors,
+                       block=a.block, drafter_layers=a.drafter_layers, loss_chunk=a.loss_chunk,
+                       audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
+                       cold_triton=a.cold_triton, step_timeout_s=a.step_timeout)
+    figures: dict[str, Any] = {}
+    error = None
+    try:
+        run_services(plan, a.part_budget, figures)
+    except Exception as e:
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"[:2000]
+    finally:  # also on a timeout's SIGTERM: what was measured stays
+        ctx.store.figures("services", **figures)
+    if "warm_over_cold_first_step" in figures:
+        ctx.store.benchmark("P4", {"warm_over_cold_first_step": figures["warm_over_cold_first_step"]},
+                            {k: figures.get(k) for k in ("warm_first_step_s", "cold_first_step_s", "target_load_s",
+                                                         "target_warmup_s", "cold_triton_cache", "device")})
+    else:
+        ctx.store.benchmark_error("P4", error or "not measured", figures)
+    parts = ctx.store.read()["parts"]
+    target_alone = parts.get("p23", {}).get("figures", {}).get("target_alone_tok_s")
+    drafter_alone = parts.get("p5", {}).get("figures", {}).get("drafter_alone_tok_s")
+    together = figures.get("together_tok_s")
+    numbers = {"together_tok_s": together, "target_alone_tok_s": target_alone, "drafter_alone_tok_s": drafter_alone,
+               "together_steps": figures.get("together_steps"),
+               "together_mean_step_s": figures.get("together_mean_step_s")}
+    if together and target_alone and drafter_alone:
+        ideal = 1.0 / (1.0 / target_alone + 1.0 / drafter_alone)
+        numbers["ideal_tok_s"] = ideal
+        ctx.store.benchmark("P6", {"together_over_ideal": together / ideal}, numbers)
+    else:
+        missing = [k for k in ("together_tok_s", "target_alone_tok_s", "drafter_alone_tok_s") if not numbers[k]]
+        ctx.store.benchmark_error("P6", error or f"missing {', '.join(missing)}", numbers)
+    print(json.dumps({k: v for k, v in figures.items() if not k.endswith("_stages")}, indent=1, default=str))
+    if error:
+        raise RuntimeError(error)
+    return "measured"
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def target_shape(a: argparse.Namespace) -> fixtures.TargetShape:
+    ids = tuple(int(x) for x in a.capture_ids.split(","))
+    if any(not 0 <= i < a.layers for i in ids) or list(ids) != sorted(set(ids)):
+        raise SystemExit(f"--capture-ids {a.capture_ids}: strictly increasing ids inside the {a.layers} layers")
+    if not 0 <= a.mask_token_id < a.vocab:
+        raise SystemExit(f"--mask-token-id {a.mask_token_id} outside the vocabulary of {a.vocab}")
+    return fixtures.TargetShape(hidden=a.hidden, layers=a.layers, capture_ids=ids, heads=a.heads, kv_heads=a.kv_heads,
+                                head_dim=a.head_dim, intermediate=a.intermediate, linear_k_heads=a.linear_k_heads,
+                                linear_v_heads=a.linear_v_heads, linear_k_dim=a.linear_k_dim,
+                                linear_v_dim=a.linear_v_dim, vocab=a.vocab, mask_token_id=a.mask_token_id)
+
+
+def versions(device: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(), "torch": torch.__version__,
+                           "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                           "device": str(device), "cpus": os.cpu_count()}
+    for mod in ("transformers", "triton", "fla", "zmq", "msgpack", "numpy", "safetensors"):
+        try:
+            out[mod] = getattr(importlib.import_module(mod), "__version__", "unknown")
+        except Exception as e:  # a missing or broken package is a finding, not a crash
+            out[mod] = f"missing ({type(e).__name__}: {e})"[:200]
+    try:
+        import triton
+        autotuning = getattr(getattr(triton, "knobs", None), "autotuning", None)
+        out["triton_autotune_cache_knob"] = hasattr(autotuning, "cache")  # TRITON_CACHE_AUTOTUNING is read
+    except ImportError:
+        pass
+    for var in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "PYTHONPATH"):
+        out[var] = os.environ.get(var, "")
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        out.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=round(p.total_memory / 1e9, 1),
+                   sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+    return out
+
+
+def max_row_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| / |b| over the hidden rows (one token of one plane)."""
+    a, b = a.float(), b.float()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).max())
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN == NaN, -0 != +0), the meaning of 'the copy is the data'."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def fla_packed_vs_per_document(runner: Any, manifest: dict[str, Any]) -> list[float]:
+    """Relative error of each document's planes, packed (FLA varlen) vs alone (transformers' forward)."""
+    from common.batch import document_positions
+
+    lens = [n for n in (1, 3, 70, 300, 1200) if n <= manifest["max_len"]]
+    g = torch.Generator().manual_seed(7)
+    top = min(runner.vocab_size, manifest["shape"]["mask_token_id"])
+    docs = [torch.randint(0, top, (n,), generator=g) for n in lens]
+    doc_lens = torch.tensor(lens, dtype=torch.int32)
+    packed = runner.capture(torch.cat(docs), document_positions(doc_lens), doc_lens).float()
+    errs, start = [], 0
+    for doc in docs:
+        alone = runner.capture_unpacked(doc).float()
+        part = packed[:, start:start + len(doc)]
+        errs.append(float((part - alone).norm() / alone.norm().clamp_min(1e-12)))
+        start += len(doc)
+    return errs
+
+
+def junit_cases(path: str) -> list[dict[str, str]]:
+    if not os.path.isfile(path):
+        return []
+    cases = []
+    for tc in ET.parse(path).iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            child = tc.find(tag)
+            if child is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (child.get("message") or "")[:300]
+                break
+        cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome, "message": message})
+    return cases
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+# ---- the command line ----------------------------------------------------------------------------
+PARTS: dict[str, Callable[[Ctx], str]] = {
+    "env": part_env, "tests": part_tests, "copycheck": part_copycheck, "p1": part_p1, "p5": part_p5,
+    "p23": part_p23, "services": part_services,
+}
+NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=[*PARTS, "p1-consumer"])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: the CPU smoke run")
+    p.add_argument("--out", default=os.environ.get("OUT") or "./out")
+    p.add_argument("--workdir", default=os.environ.get("DFPIPE_BENCH_WORKDIR") or "/tmp/dfpipe-gpu-bench")
+    p.add_argument("--device", default="auto", help="auto: cuda:0 when CUDA is available, else cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-torch-linear", action="store_true",
+                   help="carry on when FLA is missing on CUDA (the target then runs the slow torch GDN path)")
+    p.add_argument("--audit-every", type=int, default=0,
+                   help="target.audit_every for the worker and the services (configs/gpu.yaml: 200)")
+    p.add_argument("--cold-triton", choices=["fresh", "shared"], default="fresh",
+                   help="P4 cold start with an empty Triton cache (a new host) or the run's warm one")
+    p.add_argument("--part-budget", type=float, default=300.0, help="seconds this part may take (run_all.sh sets it)")
+    for name, value in FULL.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=type(value), default=None, help=f"default {value} (--quick: {QUICK[name]})")
+    # p1-consumer (internal)
+    p.add_argument("--ring-path", default="")
+    p.add_argument("--consumer-device", default="cpu")
+    p.add_argument("--nbytes", type=int, default=0)
+    p.add_argument("--cuda-register", default="off")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    sizes = QUICK if args.quick else FULL
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve(build_parser().parse_args(argv))
+    if args.part == "p1-consumer":
+        from bench.gpu.transport import consumer_main
+        consumer_main(args.ring_path, args.consumer_device, args.nbytes, args.cuda_register)
+        return 0
+    os.makedirs(args.workdir, exist_ok=True)
+    os.environ["DFPIPE_BENCH_WORKDIR"] = args.workdir
+    store = ResultStore(os.path.join(args.out, "results.json"))
+
+    device = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    if device.type == "cpu":
+        # small ops of the torch GDN path run ~3x slower with 2 OpenMP threads than with 1 (docs/benchmarks.md)
+        torch.set_num_threads(1)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else args.workdir
+    ctx = Ctx(args=args, store=store, device=device, workdir=args.workdir, shm_dir=shm)
+    store.update(lambda d: d["meta"].update(quick=args.quick, device=str(device), workdir=args.workdir,
+                                            smoke=args.quick or device.type != "cuda"))
+    # a timeout's SIGTERM must run the finally-blocks (rings unlinked, service processes ended)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(TERMINATED))
+    name = args.part
+    print(f"=== part {name}: device {device}, quick={args.quick}, budget {args.part_budget:.0f}s", flush=True)
+    store.part(name, "running", started=time.time())
+    t0 = time.time()
+    status, verdict, error = "ok", "", None
+    try:
+        if name in NEEDS_CUDA_UNLESS_QUICK and device.type != "cuda" and not args.quick:
+            raise SkipPart("no CUDA")
+        verdict = PARTS[name](ctx)
+    except SkipPart as e:
+        status, error = "skipped", str(e)
+        print(f"skipped: {e}", flush=True)
+        for key in (k for k, owner in PART_OF.items() if owner == name):
+            store.benchmark_error(key, f"skipped: {e}")
+    except SystemExit as e:
+        if e.code != TERMINATED:
+            raise
+        status, error = "timeout", "stopped by SIGTERM (run_all.sh's per-part timeout)"
+        print(error, flush=True)
+    except BaseException as e:  # noqa: BLE001  (recorded, then the run goes on with the next part)
+        traceback.print_exc()
+        status, error = "error", f"{type(e).__name__}: {e}"[:2000]
+    finally:
+        store.part(name, status, seconds=round(time.time() - t0, 2), verdict=verdict, error=error)
+    print(f"=== part {name}: {status} {verdict or ''} {error or ''} ({time.time() - t0:.1f}s)", flush=True)
+    return 0 if status in ("ok", "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# dfpipe's GPU benchmark suite: every part in its own python process with its own timeout, all
+# figures in $OUT/results.json, one log per part. Run from anywhere inside the repository:
+#
+#     bash bench/gpu/run_all.sh                 # full sizes, about 8 minutes on one H200
+#     bash bench/gpu/run_all.sh --quick         # tiny sizes: the CPU smoke run
+#     bash bench/gpu/run_all.sh --token-budget 8192 --p6-seconds 15   # any gpu_bench.py flag, to every part
+#
+# Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run, default 540),
+# PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service runs; default
+# /tmp/dfpipe-gpu-bench). $OUT receives 8 files: results.json and env/tests/copycheck/p1/p5/p23/
+# services .log. The table of results is printed last.
+set -u -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+ARGS=("$@")
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export OUT
+export DFPIPE_BENCH_WORKDIR=${DFPIPE_BENCH_WORKDIR:-/tmp/dfpipe-gpu-bench}
+mkdir -p "$DFPIPE_BENCH_WORKDIR"
+PY=${PYTHON:-python3}
+BUDGET_S=${BENCH_BUDGET_S:-540}
+START=$(date +%s)
+rm -f "$OUT/results.json" "$OUT"/*.log
+
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
+
+# Service processes a part left behind (it was killed before its own cleanup): by pid, and only
+# if that pid still runs dfpipe. Then the ring files of this suite (named dfpgb-*), if any remain.
+cleanup_children() {
+  local pidfile="$DFPIPE_BENCH_WORKDIR/service-pids.txt" pid name
+  if [[ -f $pidfile ]]; then
+    while read -r pid name; do
+      if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q dfpipe; then
+        log "killing leftover $name (pid $pid)"
+        kill -9 "$pid" 2>/dev/null
+      fi
+    done <"$pidfile"
+    rm -f "$pidfile"
+  fi
+  rm -f /dev/shm/dfpgb-* 2>/dev/null
+  return 0
+}
+trap cleanup_children EXIT
+
+# ---- environment: wheels, versions, the GPU ------------------------------------------------------
+{
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    log "installing .whl/*.whl into /tmp/site"
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+      || log "wheel install FAILED (parts needing them will say so)"
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
+} >"$OUT/env.log" 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Autotune once per run: later processes read FLA's tuned configs from the Triton cache.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$DFPIPE_BENCH_WORKDIR/triton}
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+cleanup_children
+
+# ---- parts ----------------------------------------------------------------------------------------
+# name, upper limit (s), least time it needs (s): a slow part may not eat the later parts' minimum.
+PARTS=(env tests copycheck p1 p5 p23 services)
+declare -A LIMIT=([env]=150 [tests]=150 [copycheck]=180 [p1]=60 [p5]=120 [p23]=180 [services]=300)
+declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p23]=50 [services]=150)
+
+run_part() {
+  local name=$1 i later=0 left t rc t0
+  for (( i = ${#PARTS[@]} - 1; i >= 0; i-- )); do
+    [[ ${PARTS[i]} == "$name" ]] && break
+    later=$(( later + NEED[${PARTS[i]}] ))
+  done
+  left=$(( BUDGET_S - ($(date +%s) - START) ))
+  t=$(( left - later ))
+  (( t > LIMIT[$name] )) && t=${LIMIT[$name]}
+  (( t < NEED[$name] && left >= NEED[$name] )) && t=${NEED[$name]}
+  if (( t < 15 )); then
+    log "part $name: not run (the run's ${BUDGET_S}s budget is spent)"
+    $PY -m bench.gpu.results mark "$name" --rc -1 --reason "not run: the run's ${BUDGET_S}s budget was spent"
+    return
+  fi
+  log "part $name: up to ${t}s -> $OUT/$name.log"
+  t0=$(date +%s)
+  timeout -k 15 "$t" $PY bench/gpu/gpu_bench.py "$name" --part-budget $(( t > 30 ? t - 15 : t )) "${ARGS[@]}" \
+    >>"$OUT/$name.log" 2>&1
+  rc=$?
+  $PY -m bench.gpu.results mark "$name" --rc "$rc" --seconds $(( $(date +%s) - t0 ))
+  log "part $name: rc $rc after $(( $(date +%s) - t0 ))s ($(tail -n 1 "$OUT/$name.log" | cut -c1-160))"
+  cleanup_children
+}
+
+log "dfpipe GPU benchmarks: OUT=$OUT, workdir $DFPIPE_BENCH_WORKDIR, budget ${BUDGET_S}s, args: ${ARGS[*]:-(none)}"
+for name in "${PARTS[@]}"; do
+  run_part "$name"
+done
+
+log "done in $(( $(date +%s) - START ))s; files in $OUT:"
+ls -la "$OUT"
+$PY -m bench.gpu.results summary

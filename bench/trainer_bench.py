@@ -1,0 +1,280 @@
+"""One DFlash drafter training step (forward + chunked loss + backward + clip + AdamW) at a chosen size.
+
+    python bench/trainer_bench.py                                   # CPU demo size: T=2048, N=128, B=16, H=128
+    python bench/trainer_bench.py --device cuda --hidden 5120 --heads 32 --kv-heads 8 --head-dim 128 \
+        --intermediate 17408 --vocab 248320 --tokens 16384 --docs 8 --anchors 512 --attn flex
+    python bench/trainer_bench.py --sweep-anchors 64,128,256        # loss-head memory vs N (chunked logits)
+
+The batch is synthetic (random hidden states, D documents of random lengths, the first 20% of each
+document outside the loss mask); the ring feed is not involved. Each variant (split-FC off / on,
+by default) runs in its own process on the same batch, after --warmup untimed steps.
+
+Reported per variant: median step time, context tokens/s and block rows/s, peak tensor memory above
+what was held before (CUDA: max_memory_allocated; CPU: the profiler's memory timeline) of one whole
+step and of the context projection alone (fc + hidden_norm, forward and backward: where split-FC
+saves the [T, k*H] concatenation), and FLOPs per step counted explicitly:
+
+    fc            2*T*(k*H)*H            x2 (forward + weight grad; the captured planes need no grad)
+    ctx k/v proj  2*T*H*2*kv_dim per layer, x3 (forward + input grad + weight grad)
+    block proj    2*R*H*(q_dim + 2*kv_dim) + 2*R*q_dim*H per layer, x3
+    mlp           2*R*3*H*I per layer, x3
+    attention     2*2*R*q_dim*keys per layer (QK^T and PV), x3; keys = the *visible* keys of each
+                  query (model FLOPs) and, separately, the keys the chosen kernel computes
+                  (split: its segment's context range + B, sdpa: T+R, flex: visible 128x128 tiles)
+    lm_head       2*R_loss*H*V, x2 (forward + input grad; frozen, rows with zero weight skipped)
+
+R = N*B block rows, R_loss = rows with a positive loss weight. MFU = model FLOPs / step time /
+--peak-tflops (printed when a peak is given; default 989 for CUDA bf16, H100/H200 dense).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.batch import PackedBatch, check_batch, document_positions  # noqa: E402
+from drafter_trainer.blocks import AttentionLayout, anchor_seed, build_blocks, sample_anchors  # noqa: E402
+from drafter_trainer.loss import dflash_loss  # noqa: E402
+from drafter_trainer.model import DFlashConfig, DFlashDraftModel  # noqa: E402
+
+
+def synthetic_batch(tokens: int, docs: int, k: int, hidden: int, vocab: int, seed: int,
+                    device: torch.device, dtype: torch.dtype) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(tokens - 1, generator=g)[: docs - 1].add(1).sort().values
+    bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])])
+    lens = (bounds[1:] - bounds[:-1]).to(torch.int32)
+    positions = document_positions(lens)
+    lengths = torch.repeat_interleave(lens.to(torch.int64), lens.to(torch.int64))
+    loss_mask = (positions >= (lengths // 5)).to(torch.uint8)
+    batch = PackedBatch(
+        hidden=torch.randn(k, tokens, hidden, generator=g).to(dtype),
+        input_ids=torch.randint(0, vocab - 1, (tokens,), generator=g, dtype=torch.int32),
+        loss_mask=loss_mask, position_ids=positions.to(torch.int32), doc_lens=lens,
+        sample_ids=torch.arange(docs, dtype=torch.int64))
+    check_batch(batch)
+    return batch.to(device)
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def peak_bytes(fn: Callable[[], None], device: torch.device) -> tuple[int, str]:
+    """Peak tensor memory of fn() above what was allocated before it, and how it was measured.
+
+    CUDA: the caching allocator's max_memory_allocated. CPU: the profiler's memory timeline
+    (every tensor allocation and free, replayed in order; exact for tensors, unlike RSS, which
+    glibc's retained heap blurs); VmHWM after clear_refs as a rough fallback.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base, "cuda max_memory_allocated"
+    try:
+        from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as prof:
+            fn()
+        _times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+        totals = [sum(row) for row in sizes]
+        return max(totals) - totals[0], "profiler memory timeline (tensors)"
+    except (ImportError, AttributeError, RuntimeError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                  # resets VmHWM (peak RSS) to the current RSS
+        base = _rss_bytes("VmRSS")
+        fn()
+        return _rss_bytes("VmHWM") - base, "VmHWM after clear_refs (RSS, approximate)"
+
+
+def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str) -> dict[str, float]:
+    """FLOPs of one training step by component (see the module docstring)."""
+    t, k, h = batch.num_tokens, cfg.num_context_layers, cfg.hidden_size
+    r, b = blocks.num_blocks * blocks.block_size, blocks.block_size
+    q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    r_loss = int((blocks.weights > 0).sum())
+    layout = AttentionLayout.from_blocks(blocks)
+    visible = computed = 0
+    for i in range(cfg.num_hidden_layers):
+        dense = layout.dense_mask(cfg.layer_window(i))
+        visible += int(dense.sum())
+        if attn_impl == "split":
+            computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.segments)
+        elif attn_impl == "flex":
+            tile = 128                  # flex computes every 128x128 tile holding a visible key
+            rq, rk = -(-r // tile) * tile, -(-dense.shape[1] // tile) * tile
+            padded = torch.zeros(rq, rk, dtype=torch.bool, device=dense.device)
+            padded[: dense.shape[0], : dense.shape[1]] = dense
+            computed += int(padded.view(rq // tile, tile, rk // tile, tile).any(3).any(1).sum()) * tile * tile
+        else:
+            computed += r * (t + r)
+    n = cfg.num_hidden_layers
+    out = {
+        "fc": 2 * 2.0 * t * k * h * h,
+        "ctx_kv": 3 * 2.0 * t * h * 2 * kv_dim * n,
+        "block_proj": 3 * 2.0 * r * h * (2 * q_dim + 2 * kv_dim) * n,
+        "mlp": 3 * 2.0 * r * 3 * h * cfg.intermediate_size * n,
+        "attn_visible": 3 * 4.0 * q_dim * visible,
+        "lm_head": 2 * 2.0 * r_loss * h * cfg.vocab_size,
+    }
+    out["model_total"] = sum(out.values())
+    out["attn_computed"] = 3 * 4.0 * q_dim * computed
+    out["executed_total"] = out["model_total"] - out["attn_visible"] + out["attn_computed"]
+    return out
+
+
+def run_variant(args: argparse.Namespace, cfg: DFlashConfig, batch: PackedBatch, blocks, split_fc: bool,
+                device: torch.device) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = DFlashDraftModel(cfg, split_fc=split_fc, attn_impl=args.attn).to(device)
+    head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model.set_target_head(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02,
+                          torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02)
+    model.checkpoint_layers = args.checkpoint_layers
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step() -> None:
+        with autocast:
+            out = dflash_loss(model, batch, blocks, chunk=args.chunk)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def fc_only() -> None:
+        with autocast:
+            context = model.project_context(batch.hidden)
+        context.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    # Memory after timing: a profiled step leaves the process slower for the rest of its life.
+    step_peak, method = peak_bytes(step, device)
+    fc_only()
+    fc_peak, _ = peak_bytes(fc_only, device)
+    return {"time": statistics.median(times), "peak": step_peak, "fc_peak": fc_peak, "method": method}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--intermediate", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--capture-layers", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--anchors", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--sliding-window", type=int, default=0, help="0: all layers full attention")
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex"])
+    p.add_argument("--split-fc", default="both", choices=["both", "on", "off"])
+    p.add_argument("--checkpoint-layers", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--sweep-anchors", default="", help="comma list: peak memory vs N at fixed chunk")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.attn == "auto":
+        args.attn = "sdpa" if device.type == "cuda" else "split"
+    if args.attn == "flex" and device.type != "cuda":
+        p.error("--attn flex needs CUDA (flex_attention has no CPU backward)")
+    peak_tflops = args.peak_tflops or (989.0 if device.type == "cuda" else None)
+    layer_types = ["full_attention"] * args.layers
+    if args.sliding_window:
+        layer_types = ["sliding_attention"] * (args.layers - 1) + ["full_attention"]
+    cfg = DFlashConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        vocab_size=args.vocab, rms_norm_eps=1e-6, rope_theta=1e6, block_size=args.block,
+        target_layer_ids=list(range(1, 2 * args.capture_layers, 2)), mask_token_id=args.vocab - 1,
+        layer_types=layer_types, sliding_window=args.sliding_window or None,
+        num_target_layers=2 * args.capture_layers + 1)
+    if not args.child:
+        # One process per (N, variant): each starts from an empty allocator, so no variant's peak
+        # memory depends on what an earlier one left cached or fragmented.
+        print(f"# {datetime.date.today()} {platform.node()} {platform.processor() or platform.machine()} "
+              f"torch {torch.__version__} device {device}"
+              + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+                 else f" threads {torch.get_num_threads()}"))
+        print(f"# H={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_dim} "
+              f"I={args.intermediate} V={args.vocab} k={args.capture_layers} T={args.tokens} D={args.docs} "
+              f"B={args.block} chunk={args.chunk} attn={args.attn} window={args.sliding_window or '-'}")
+        print("| N | fc | step s | ctx tok/s | block rows/s | step peak MiB | fc fwd+bwd peak MiB "
+              "| logits if materialised MiB | model GFLOP | executed GFLOP | model TFLOP/s | MFU |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        anchor_counts = [int(x) for x in args.sweep_anchors.split(",") if x] or [args.anchors]
+        variants = {"both": ["off", "on"], "on": ["on"], "off": ["off"]}[args.split_fc]
+        footer = ""
+        for n in anchor_counts:
+            for variant in variants:
+                child = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+                         "--anchors", str(n), "--split-fc", variant, "--sweep-anchors", "", "--child"]
+                out = subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()
+                print(*[line for line in out if line.startswith("|")], sep="\n", flush=True)
+                footer = next((line for line in out if line.startswith("# peak")), footer)
+        print(footer)
+        return
+
+    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batch = synthetic_batch(args.tokens, args.docs, args.capture_layers, args.hidden, args.vocab, 0, device,
+                            hidden_dtype)
+    gen = torch.Generator().manual_seed(anchor_seed(0, 0, args.anchors))
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, args.anchors, gen)
+    blocks = build_blocks(batch, anchors, args.block, cfg.mask_token_id, 7.0)
+    flops = step_flops(cfg, batch, blocks, args.attn)
+    rows = blocks.num_blocks * blocks.block_size
+    logits_mib = int((blocks.weights > 0).sum()) * args.vocab * 4 / 2**20
+    split_fc = args.split_fc == "on"
+    r = run_variant(args, cfg, batch, blocks, split_fc, device)
+    tflops = flops["model_total"] / r["time"] / 1e12
+    mfu = f"{100 * tflops / peak_tflops:.1f}%" if peak_tflops else "-"
+    print(f"| {blocks.num_blocks} | {'split' if split_fc else 'concat'} | {r['time']:.3f} "
+          f"| {args.tokens / r['time']:.0f} | {rows / r['time']:.0f} | {r['peak'] / 2**20:.1f} "
+          f"| {r['fc_peak'] / 2**20:.1f} "
+          f"| {logits_mib:.1f} | {flops['model_total'] / 1e9:.2f} | {flops['executed_total'] / 1e9:.2f} "
+          f"| {tflops:.4f} | {mfu} |")
+    print(f"# peak memory: {r['method']}; FLOPs by component: "
+          + ", ".join(f"{k}={v / 1e9:.2f}G" for k, v in flops.items()))
+
+if __name__ == "__main__":
+    main()

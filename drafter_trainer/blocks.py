@@ -1,0 +1,300 @@
+"""Anchors, blocks, labels and the attention mask of one DFlash training batch.
+
+A packed batch holds T real tokens of D documents. The drafter learns, from the target's hidden
+states of the tokens *before* an anchor, to fill a block of B tokens starting at the anchor:
+
+    document:   ... t[a-2]  t[a-1] | t[a]   t[a+1] t[a+2] ... t[a+B-1] | ...
+    context:    ... visible visible| hidden (kv < anchor: the anchor's own state is never seen)
+    block in:                      | t[a]   MASK   MASK   ... MASK
+    position:                      | p      p+1    p+2    ... p+B-1        (p = a's position in its document)
+    label:                         | -      t[a+1] t[a+2] ... t[a+B-1]     (block position k predicts t[a+k])
+    weight:                        | 0      w1     w2     ... w(B-1)       wk = in_doc * loss_mask[a+k] * exp(-(k-1)/gamma)
+
+Everything here is a pure function of the batch and the anchors, so a re-delivered batch
+(same seed, epoch, seq) yields the same blocks on any rank.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from common.batch import PackedBatch
+
+IGNORE_INDEX = -100   # label of positions without loss (the anchor itself, past the document end)
+
+
+class BlockError(ValueError):
+    """Anchors or block parameters that cannot describe valid blocks of this batch."""
+
+
+def anchor_seed(seed: int, epoch: int, seq: int) -> int:
+    """Deterministic 63-bit seed for the anchors of batch `seq` in `epoch`.
+
+    Deliberately independent of the trainer rank: after a restart a batch may be re-delivered to
+    a different rank, and it must get the same anchors there (replay determinism: the saved model
+    holds each batch's gradient exactly once, computed from one fixed set of blocks). Anchors are
+    still resampled every epoch because `epoch` is part of the seed.
+    """
+    digest = hashlib.blake2b(f"dfpipe-anchors:{seed}:{epoch}:{seq}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def document_ids(doc_lens: torch.Tensor) -> torch.Tensor:
+    """[T] index of the document each token belongs to (int64)."""
+    lens = doc_lens.to(torch.int64)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_lens: torch.Tensor, max_anchors: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Anchor positions: p with loss_mask[p] and loss_mask[p+1] set and p+1 in p's document.
+
+    Chooses min(max_anchors, #candidates) of them uniformly without replacement and returns them
+    sorted ascending (int64, on loss_mask's device). The random draw happens on the generator's
+    device; a CPU generator seeded with `anchor_seed` gives the same anchors on CPU and GPU.
+    """
+    if max_anchors < 0:
+        raise BlockError(f"max_anchors must be >= 0, got {max_anchors}")
+    mask = loss_mask.to(torch.bool)
+    t = mask.numel()
+    if int(doc_lens.to(torch.int64).sum()) != t:
+        raise BlockError(f"doc_lens sum to {int(doc_lens.sum())}, loss_mask has {t} tokens")
+    last_of_doc = torch.zeros(t, dtype=torch.bool, device=mask.device)
+    last_of_doc[torch.cumsum(doc_lens.to(torch.int64).to(mask.device), 0) - 1] = True
+    ok = mask[:-1] & mask[1:] & ~last_of_doc[:-1]
+    candidates = ok.nonzero().squeeze(1)
+    if candidates.numel() <= max_anchors:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:max_anchors]
+    return candidates[pick.to(candidates.device)].sort().values
+
+
+@dataclass
+class BlockBatch:
+    """N blocks of B tokens cut from one packed batch, plus what their attention mask needs.
+
+    block_input_ids   [N, B] int64  t[anchor], MASK x (B-1)
+    block_positions   [N, B] int64  anchor's position in its document + 0..B-1
+    labels            [N, B] int64  t[anchor+k]; IGNORE_INDEX at k=0 and past the document end
+    weights           [N, B] fp32   loss weight; 0 wherever labels is IGNORE_INDEX or loss_mask is 0
+    anchors           [N]    int64  anchor's index in the packed row (0 for padding blocks)
+    anchor_doc        [N]    int64  anchor's document (-1 for padding blocks)
+    valid             [N]    bool   False for padding blocks (they see no data and carry no weight)
+    context_doc       [T]    int64  document of each packed token
+    context_positions [T]    int64  position of each packed token in its document
+    """
+
+    block_input_ids: torch.Tensor
+    block_positions: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    anchors: torch.Tensor
+    anchor_doc: torch.Tensor
+    valid: torch.Tensor
+    context_doc: torch.Tensor
+    context_positions: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_input_ids.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.block_input_ids.shape[1])
+
+    @property
+    def num_context(self) -> int:
+        return int(self.context_doc.shape[0])
+
+
+def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 gamma: float, pad_to: int | None = None) -> BlockBatch:
+    """Cut one block per anchor (see the module docstring for the alignment).
+
+    Padding: a batch without anchors still gets one padding block, so every trainable parameter
+    takes part in the backward pass (DDP ranks must all reduce the same parameters); `pad_to`
+    pads further to a fixed block count (fixed shapes for compiled kernels). Padding blocks
+    belong to no document, so they see no context and no other block, and their weights are 0.
+    """
+    if block_size < 2:
+        raise BlockError(f"block_size must be >= 2, got {block_size}")
+    if mask_token_id < 0:
+        raise BlockError(f"mask_token_id must be a real token id, got {mask_token_id}")
+    if gamma <= 0:
+        raise BlockError(f"gamma must be positive, got {gamma}")
+    device = batch.input_ids.device
+    t = batch.num_tokens
+    anchors = anchors.to(device=device, dtype=torch.int64)
+    if anchors.dim() != 1:
+        raise BlockError(f"anchors must be 1-d, got shape {tuple(anchors.shape)}")
+    if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
+        raise BlockError(f"anchors outside [0, {t}): min {int(anchors.min())}, max {int(anchors.max())}")
+    n_real = anchors.numel()
+    n = max(n_real, 1, pad_to or 0)
+
+    doc_lens = batch.doc_lens.to(device=device, dtype=torch.int64)
+    context_doc = document_ids(doc_lens)
+    context_positions = batch.position_ids.to(torch.int64)
+    doc_end = torch.cumsum(doc_lens, 0)                      # exclusive end of each document
+
+    valid = torch.zeros(n, dtype=torch.bool, device=device)
+    valid[:n_real] = True
+    anchor_idx = torch.zeros(n, dtype=torch.int64, device=device)
+    anchor_idx[:n_real] = anchors
+    anchor_doc = torch.where(valid, context_doc[anchor_idx], -1)
+    anchor_pos = torch.where(valid, context_positions[anchor_idx], 0)
+
+    offsets = torch.arange(block_size, device=device)
+    target = anchor_idx[:, None] + offsets                   # [N, B] packed index of t[anchor+k]
+    in_doc = valid[:, None] & (target < doc_end[anchor_doc.clamp_min(0)][:, None])
+    target = target.clamp_max(t - 1)
+    has_label = in_doc & (offsets > 0)
+
+    labels = torch.where(has_label, batch.input_ids.to(torch.int64)[target], IGNORE_INDEX)
+    decay = torch.exp(-(offsets.to(torch.float32) - 1) / gamma)
+    weights = has_label * batch.loss_mask[target].to(torch.float32) * decay
+
+    block_input_ids = torch.full((n, block_size), mask_token_id, dtype=torch.int64, device=device)
+    block_input_ids[:, 0] = torch.where(valid, batch.input_ids.to(torch.int64)[anchor_idx], mask_token_id)
+    return BlockBatch(
+        block_input_ids=block_input_ids,
+        block_positions=anchor_pos[:, None] + offsets,
+        labels=labels,
+        weights=weights,
+        anchors=anchor_idx,
+        anchor_doc=anchor_doc,
+        valid=valid,
+        context_doc=context_doc,
+        context_positions=context_positions,
+    )
+
+
+@dataclass
+class AttentionLayout:
+    """Queries and keys of one batched DFlash forward, and the one rule for who sees whom.
+
+    All blocks attend in a single call. Queries are the N*B block tokens; keys are the T context
+    tokens followed by the same N*B block tokens:
+
+        queries:  [ blk0: 0..B-1 | blk1: 0..B-1 | ... ]                              N*B rows
+        keys:     [ ctx 0 .. T-1 | blk0: 0..B-1 | blk1: 0..B-1 | ... ]               T + N*B columns
+
+        query (block n, offset i) sees key j when
+          context j:  same document  and  pos[j] < anchor_pos[n]             (strictly before the anchor)
+          block key:  j belongs to block n                                   (bidirectional in the block)
+        and on sliding-window layers additionally
+                      pos[j] <= pos(q)  and  pos(q) - pos[j] < window       (causal in the block; window
+                                                                             = kv >= anchor+i-(window-1))
+
+    Positions are within-document, so for the same document position differences are packed
+    index differences. Blocks never see each other (block ids differ); padding blocks have
+    document -1 and so see only their own MASK tokens: a finite softmax over no data.
+
+    `visible` is the only definition of the rule; the mask builders below evaluate it on
+    different key sets: all T + N*B keys (dense, flex), or per segment (split). A segment is a
+    run of at most `segment_rows` query rows from consecutive blocks of one document, with the
+    context keys [document start, last anchor of the run): every context key any of its queries
+    may see, and few others. The split path scores a segment's queries against those keys plus
+    each query's own B block keys only; keys outside are provably invisible, so skipping them
+    changes nothing but the cost (blocks in anchor order make the segments tight).
+    """
+
+    block_size: int
+    query_doc: torch.Tensor         # [N*B]
+    query_pos: torch.Tensor         # [N*B]  RoPE position of each query
+    query_anchor_pos: torch.Tensor  # [N*B]
+    query_block: torch.Tensor       # [N*B]
+    key_doc: torch.Tensor           # [T+N*B]
+    key_pos: torch.Tensor           # [T+N*B] RoPE position of each key
+    key_block: torch.Tensor         # [T+N*B] -1 for context keys
+    segments: list[tuple[int, int, int, int]]   # (first query, end query, first ctx key, end ctx key)
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockBatch, segment_rows: int = 256) -> "AttentionLayout":
+        n, b = blocks.num_blocks, blocks.block_size
+        device = blocks.block_positions.device
+        block_of_query = torch.arange(n, device=device).repeat_interleave(b)
+        query_doc = blocks.anchor_doc.repeat_interleave(b)
+        query_pos = blocks.block_positions.reshape(-1)
+        ctx_block = torch.full((blocks.num_context,), -1, dtype=torch.int64, device=device)
+        return cls(
+            block_size=b,
+            query_doc=query_doc,
+            query_pos=query_pos,
+            query_anchor_pos=blocks.block_positions[:, 0].repeat_interleave(b),
+            query_block=block_of_query,
+            key_doc=torch.cat([blocks.context_doc, query_doc]),
+            key_pos=torch.cat([blocks.context_positions, query_pos]),
+            key_block=torch.cat([ctx_block, block_of_query]),
+            segments=_segments(blocks, max(1, segment_rows // b)),
+        )
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.query_pos.shape[0])
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.key_pos.shape[0])
+
+    @property
+    def num_context(self) -> int:
+        return self.num_keys - self.num_queries
+
+    def visible(self, q: torch.Tensor, kv: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        """True where query index q may attend to key index kv (broadcasting; also a flex mask_mod)."""
+        context = (self.key_block[kv] < 0) & (self.key_doc[kv] == self.query_doc[q]) \
+            & (self.key_pos[kv] < self.query_anchor_pos[q])
+        own_block = self.key_block[kv] == self.query_block[q]
+        seen = context | own_block
+        if sliding_window is not None:
+            distance = self.query_pos[q] - self.key_pos[kv]
+            seen = seen & (distance >= 0) & (distance < sliding_window)
+        return seen
+
+    def dense_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[N*B, T+N*B] bool over all keys (scaled_dot_product_attention)."""
+        device = self.query_pos.device
+        q = torch.arange(self.num_queries, device=device)[:, None]
+        kv = torch.arange(self.num_keys, device=device)[None, :]
+        return self.visible(q, kv, sliding_window)
+
+    def split_masks(self, sliding_window: int | None) -> list[torch.Tensor]:
+        """Per segment: [rows, ctx keys + B] bool over its context keys, then each query's own block."""
+        device = self.query_pos.device
+        masks = []
+        for q0, q1, k0, k1 in self.segments:
+            q = torch.arange(q0, q1, device=device)[:, None]
+            own_keys = self.num_context + self.query_block[q0:q1, None] * self.block_size \
+                + torch.arange(self.block_size, device=device)[None, :]
+            kv = torch.cat([torch.arange(k0, k1, device=device)[None, :].expand(q1 - q0, -1), own_keys], dim=1)
+            masks.append(self.visible(q, kv, sliding_window))
+        return masks
+
+    def flex_mask(self, sliding_window: int | None, block: int = 128):
+        """A flex_attention BlockMask over all keys (tiles with no visible key are skipped)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, kv):
+            return self.visible(q, kv, sliding_window)
+
+        return create_block_mask(mask_mod, None, None, self.num_queries, self.num_keys,
+                                 device=self.query_pos.device, BLOCK_SIZE=block)
+
+
+def _segments(blocks: BlockBatch, blocks_per_segment: int) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive same-document blocks and the context range they can see (see AttentionLayout)."""
+    b = blocks.block_size
+    doc_start = torch.searchsorted(blocks.context_doc, blocks.anchor_doc.clamp_min(0)).tolist()
+    anchors, docs = blocks.anchors.tolist(), blocks.anchor_doc.tolist()
+    segments: list[tuple[int, int, int, int]] = []
+    first = 0
+    for i in range(1, len(docs) + 1):
+        if i == len(docs) or docs[i] != docs[first] or i - first == blocks_per_segment:
+            end_key = max(anchors[first:i]) if docs[first] >= 0 else 0
+            start_key = doc_start[first] if docs[first] >= 0 else 0
+            segments.append((first * b, i * b, start_key, end_key))
+            first = i
+    return segments

@@ -1,0 +1,495 @@
+"""The DFlash draft model (arXiv 2602.06036): Qwen3-style layers that read the target's context.
+
+    target_hidden [k, T, H]  (k captured target layers, in target_layer_ids order)
+        -> fc: concat to [T, k*H], Linear(k*H -> H)  -> hidden_norm           = context [T, H]
+    block_input_ids [N, B]   (t[anchor], MASK x (B-1) per block)
+        -> frozen target embed_tokens                                         = noise_embedding [N*B, H]
+    num_hidden_layers x DFlashDecoderLayer:
+        queries from the block tokens only; keys/values = [context ; block tokens], both through
+        the layer's own k_proj/v_proj, then k_norm and RoPE over the concatenation
+    -> norm -> (frozen target lm_head, applied by the loss in chunks)
+
+The context enters the layers only as extra keys and values: it is never updated by a layer and
+makes no queries. Who may see whom (strictly-before-anchor context, same document, sliding
+window, no block sees another) is defined once in `blocks.AttentionLayout`.
+
+This module has no transformers dependency: the exported folder is what the serving engines
+(SGLang, vLLM, the z-lab loader) read, and they bring their own implementation.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common.config import DrafterConfig, default_layer_ids
+from drafter_trainer.blocks import AttentionLayout, BlockBatch
+from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTN_IMPLS = ("auto", "split", "sdpa", "flex")
+
+
+class DrafterConfigError(ValueError):
+    """A drafter shape that cannot be built or does not fit its target."""
+
+
+class ContextError(ValueError):
+    """Captured target hidden states that must not be trained on (wrong layers, zero or non-finite rows)."""
+
+
+@dataclass
+class DFlashConfig:
+    """The drafter's shape; field names are the exported config.json names.
+
+    num_target_layers is the *target's* decoder-layer count (what published DFlash configs and
+    the SGLang/vLLM loaders mean by it), not the number of captured layers; that one is
+    `num_context_layers` = len(target_layer_ids). 0 means unknown (export then refuses).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    max_position_embeddings: int = 32768
+    num_target_layers: int = 0
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise DrafterConfigError(msg)
+
+        need(self.num_hidden_layers >= 1, "num_hidden_layers must be >= 1")
+        need(len(self.layer_types) == self.num_hidden_layers, "layer_types: one entry per drafter layer")
+        need(all(t in LAYER_TYPES for t in self.layer_types), f"layer_types: each one of {LAYER_TYPES}")
+        need("sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0,
+             "sliding_window must be set when a layer is sliding_attention")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads")
+        need(self.head_dim % 2 == 0, "head_dim must be even (RoPE rotates pairs)")
+        need(self.block_size >= 2, "block_size must be >= 2")
+        need(0 <= self.mask_token_id < self.vocab_size,
+             f"mask_token_id {self.mask_token_id} is not a row of the {self.vocab_size}-token embedding")
+        need(len(self.target_layer_ids) >= 1 and len(set(self.target_layer_ids)) == len(self.target_layer_ids)
+             and min(self.target_layer_ids) >= 0, f"target_layer_ids {self.target_layer_ids}: distinct, >= 0")
+        need(self.num_target_layers == 0 or max(self.target_layer_ids) < self.num_target_layers,
+             f"target_layer_ids {self.target_layer_ids} outside a {self.num_target_layers}-layer target")
+
+    @property
+    def num_context_layers(self) -> int:
+        """k: captured target layers concatenated into the context."""
+        return len(self.target_layer_ids)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    @classmethod
+    def from_target(cls, target_config: dict[str, Any], drafter_cfg: DrafterConfig,
+                    layer_ids: Sequence[int] | None, mask_token_id: int) -> "DFlashConfig":
+        """Shape a drafter for a target from its HF config.json (text fields may sit under text_config).
+
+        Width and vocabulary are the target's; heads, head_dim and MLP width are the target's
+        unless the drafter config overrides them. layer_ids None/empty: the DFlash default.
+        """
+        text = text_config(target_config)
+
+        def get(key: str, default: Any = None) -> Any:
+            value = text.get(key, target_config.get(key, default))
+            if value is None:
+                raise DrafterConfigError(f"target config has no {key!r}")
+            return value
+
+        hidden = int(get("hidden_size"))
+        heads = drafter_cfg.num_heads or int(get("num_attention_heads"))
+        rope = text.get("rope_parameters") or {}
+        theta = text.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0
+        n_target = int(get("num_hidden_layers"))
+        ids = list(layer_ids) if layer_ids else default_layer_ids(n_target, 5)
+        if mask_token_id < 0:
+            raise DrafterConfigError("mask_token_id must be resolved (from the tokenizer) before building the drafter")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=drafter_cfg.intermediate_size or int(get("intermediate_size")),
+            num_hidden_layers=drafter_cfg.num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=drafter_cfg.num_kv_heads or int(text.get("num_key_value_heads") or heads),
+            head_dim=drafter_cfg.head_dim or int(text.get("head_dim") or hidden // heads),
+            vocab_size=int(get("vocab_size")),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            block_size=drafter_cfg.block_size,
+            target_layer_ids=ids,
+            mask_token_id=mask_token_id,
+            layer_types=list(drafter_cfg.layer_types),
+            sliding_window=drafter_cfg.sliding_window or None,
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            num_target_layers=n_target,
+        )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """config.json as the serving engines read it (DESIGN.md section 4)."""
+        d = asdict(self)
+        dflash = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **d,
+            # transformers >= 5 reads rope_parameters; rope_theta stays for older readers.
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "tie_word_embeddings": False,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        dflash = d.get("dflash_config") or {}
+        names = [f for f in cls.__dataclass_fields__ if f not in ("mask_token_id", "target_layer_ids")]
+        kwargs = {k: d[k] for k in names if k in d}
+        if "rope_theta" not in kwargs and "rope_theta" in (d.get("rope_parameters") or {}):
+            kwargs["rope_theta"] = d["rope_parameters"]["rope_theta"]
+        try:
+            return cls(**kwargs, mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
+                       target_layer_ids=dflash.get("target_layer_ids", d.get("target_layer_ids")))
+        except TypeError as e:
+            raise DrafterConfigError(f"config.json is missing drafter fields: {e}") from None
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, head_dim] cos and sin (fp32) for the rotate-half RoPE convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [L, heads, head_dim] rotated by per-row angles cos/sin [L, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int, int]],
+                    masks: list[torch.Tensor], block_size: int) -> torch.Tensor:
+    """Attention of each segment's queries over [its context keys ; own block], one softmax (CPU path).
+
+    q [1, h, N*B, d]; k, v [1, h_kv, T+N*B, d]; segments and masks from AttentionLayout
+    (split_masks). Scores are materialised per segment, [h, rows, ctx keys + B], instead of
+    [h, N*B, T+N*B]: other documents, context at or after the last anchor of the segment and
+    other blocks' keys are never visible, so they are never scored. GQA without copying K/V:
+    each kv head serves its g query heads as g*rows rows of one matmul.
+    """
+    _, h, n_q, d = q.shape
+    h_kv = k.shape[1]
+    g, ctx_len = h // h_kv, k.shape[2] - n_q
+    q = q.view(h_kv, g, n_q, d) * d ** -0.5
+    k, v = k[0], v[0]
+    outs = []
+    for (q0, q1, k0, k1), mask in zip(segments, masks):
+        rows, n_ctx, n_blk = q1 - q0, k1 - k0, (q1 - q0) // block_size
+        q_s = q[:, :, q0:q1]
+        k_blk = k[:, ctx_len + q0:ctx_len + q1].reshape(h_kv, 1, n_blk, block_size, d)
+        v_blk = v[:, ctx_len + q0:ctx_len + q1].reshape(h_kv, 1, n_blk, block_size, d)
+        s_ctx = (q_s.reshape(h_kv, g * rows, d) @ k[:, k0:k1].transpose(1, 2)).view(h_kv, g, rows, n_ctx)
+        s_blk = q_s.reshape(h_kv, g, n_blk, block_size, d) @ k_blk.transpose(-1, -2)
+        scores = torch.cat([s_ctx, s_blk.view(h_kv, g, rows, block_size)], dim=-1)
+        scores = scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        # split (not slicing): its backward concatenates the two gradients instead of
+        # zero-filling a full-size buffer per slice.
+        p_ctx, p_blk = probs.split([n_ctx, block_size], dim=-1)
+        out = (p_ctx.reshape(h_kv, g * rows, n_ctx) @ v[:, k0:k1]).view(h_kv, g, rows, d)
+        outs.append(out + (p_blk.reshape(h_kv, g, n_blk, block_size, block_size) @ v_blk).view(h_kv, g, rows, d))
+    return torch.cat(outs, dim=2).view(1, h, n_q, d)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Fused attention over all T+N*B keys with the dense mask (AttentionLayout.dense_mask)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        # Explicit expansion: SDPA's enable_gqa rules out the memory-efficient CUDA kernel, the
+        # only fused one that takes an arbitrary mask.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_compiled_flex = None
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """Block-sparse attention (AttentionLayout.flex_mask): compiled on CUDA, eager elsewhere (tests)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if q.device.type != "cuda":
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex, dynamic=True)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+class DFlashAttention(nn.Module):
+    """Block tokens attend to [context ; block tokens]; only block tokens make queries."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.block_size = config.block_size
+        self.sliding_window = config.layer_window(layer_idx)
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
+                rope: tuple[torch.Tensor, ...], mask: Any, attn_impl: str) -> torch.Tensor:
+        q_len, ctx_len = hidden_states.shape[0], target_hidden.shape[0]
+        q_cos, q_sin, k_cos, k_sin = rope
+        q = self.q_norm(self.q_proj(hidden_states).view(q_len, self.num_heads, self.head_dim))
+        # Context and block keys/values share this layer's projections; the concatenation comes
+        # before k_norm and RoPE, so context keys are rotated by their own (document) positions.
+        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=0)
+        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=0)
+        k = self.k_norm(k.view(ctx_len + q_len, self.num_kv_heads, self.head_dim))
+        v = v.view(ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, q_cos, q_sin).to(v.dtype), apply_rope(k, k_cos, k_sin).to(v.dtype)
+
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
+        if attn_impl == "split":
+            out = split_attention(q, k, v, *mask, self.block_size)     # mask: (segments, masks)
+        elif attn_impl == "sdpa":
+            out = sdpa_attention(q, k, v, mask)
+        else:
+            out = flex_attention(q, k, v, mask)
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual layer; the context is not normalised here (hidden_norm did that once)."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
+                rope: tuple[torch.Tensor, ...], mask: Any, attn_impl: str) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), target_hidden, rope, mask, attn_impl)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(nn.Module):
+    """fc + hidden_norm + layers + norm (trainable) around the target's frozen embed_tokens / lm_head.
+
+    The trainable state dict is exactly the export format (`fc.weight`, `hidden_norm.weight`,
+    `layers.N....`, `norm.weight`). split_fc computes fc as sum_i fc_i(h_i) over column blocks
+    of the same `fc.weight`, so it never builds the [T, k*H] concatenation (and autograd saves
+    views of the planes instead of a copy): a compute choice, not a different model.
+    attn_impl: "split" (scores against [context ; own block] only, materialised; fastest on CPU),
+    "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (block-sparse fused
+    kernel, compiled on CUDA); "auto": split on CPU, sdpa on CUDA. All evaluate one mask rule
+    (AttentionLayout.visible) and agree numerically (tests).
+    """
+
+    FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+
+    def __init__(self, config: DFlashConfig, split_fc: bool = False, attn_impl: str = "auto") -> None:
+        super().__init__()
+        if attn_impl not in ATTN_IMPLS:
+            raise DrafterConfigError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        self.config = config
+        self.split_fc = split_fc
+        self.attn_impl = attn_impl
+        self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
+        self.segment_rows = 256             # split path: query rows scored per segment (memory vs launches)
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.embed_tokens = FrozenTargetWeight(h)
+        self.lm_head = FrozenTargetWeight(h)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+    # -- the target's frozen head ------------------------------------------------------------
+    def set_target_head(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+        """Install the target's [V, H] embedding and head (None: tied to the embedding)."""
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        for name, w in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if w is not None and tuple(w.shape) != shape:
+                raise TargetHeadError(f"{name} has shape {tuple(w.shape)}, the drafter needs {list(shape)}")
+        device = self.fc.weight.device
+        embed = nn.Parameter(embed_tokens.detach().to(device), requires_grad=False)
+        self.embed_tokens.weight = embed
+        self.lm_head.weight = embed if lm_head is None else nn.Parameter(lm_head.detach().to(device),
+                                                                         requires_grad=False)
+
+    def load_target_head(self, target_dir: str, dtype: torch.dtype | None = None) -> None:
+        """Read only embed_tokens and lm_head from the target checkpoint (see target_head.py)."""
+        head = read_target_head(target_dir, device=self.fc.weight.device, dtype=dtype)
+        self.set_target_head(head.embed_tokens, None if head.tied else head.lm_head)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state to checkpoint and export: everything except the frozen target tensors."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.FROZEN_PREFIXES)}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Strict on the trainable keys; the frozen head is loaded separately from the target."""
+        expected = set(self.trainable_state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise DrafterConfigError(f"drafter state mismatch: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        self.load_state_dict(state, strict=False)
+
+    # -- forward -------------------------------------------------------------------------------
+    def check_context(self, target_hidden: torch.Tensor, layer_ids: Sequence[int] | None) -> None:
+        """Refuse captured states from the wrong layers, or with zero / non-finite token rows.
+
+        An all-zero row is never a real hidden state (the residual stream carries the
+        embedding): it means a capture that did not happen (hybrid-layer hooks, padding rows of
+        a batched forward). Costs one O(k*T*H) reduction and one device sync per batch.
+        """
+        k, h = self.config.num_context_layers, self.config.hidden_size
+        if target_hidden.dim() != 3 or target_hidden.shape[0] != k or target_hidden.shape[2] != h:
+            raise ContextError(f"target_hidden shape {tuple(target_hidden.shape)}, expected [{k}, T, {h}] "
+                               f"(planes for target layers {self.config.target_layer_ids})")
+        if layer_ids is not None and [int(i) for i in layer_ids] != self.config.target_layer_ids:
+            raise ContextError(f"captured layers {list(layer_ids)} are not the drafter's target_layer_ids "
+                               f"{self.config.target_layer_ids} (same ids, same order)")
+        row_max = torch.linalg.vector_norm(target_hidden, ord=float("inf"), dim=-1)   # [k, T]
+        bad = ~(row_max > 0) | ~torch.isfinite(row_max)
+        if bool(bad.any()):
+            plane, token = (int(x) for x in bad.nonzero()[0])
+            zero = int((row_max == 0).sum())
+            raise ContextError(f"{int(bad.sum())} captured rows are all-zero ({zero}) or non-finite; first: "
+                               f"layer {self.config.target_layer_ids[plane]} token {token}")
+
+    def check_token_ids(self, ids: torch.Tensor, what: str) -> None:
+        """Refuse ids outside the embedding: on CUDA an out-of-range lookup is a device assert
+        that kills the process instead of skipping one batch."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ContextError(f"{what}: token ids in [{int(ids.min())}, {int(ids.max())}] outside "
+                               f"the {self.config.vocab_size}-token vocabulary")
+
+    def fc_project(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[k, T, H] captured planes -> [T, H] = fc(concat of the planes), concatenated or split."""
+        k, t, h = target_hidden.shape
+        if not self.split_fc:
+            return self.fc(target_hidden.permute(1, 0, 2).reshape(t, k * h))
+        fc_i = self.fc.weight.view(h, k, h).unbind(1)            # column block i multiplies plane i
+        context = F.linear(target_hidden[0], fc_i[0])
+        for i in range(1, k):
+            context = torch.addmm(context, target_hidden[i], fc_i[i].t())
+        return context
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The context features every layer reads: hidden_norm(fc(target_hidden))."""
+        return self.hidden_norm(self.fc_project(target_hidden))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.embed_tokens.loaded:
+            raise TargetHeadError("the target's embed_tokens is not loaded (load_target_head / set_target_head)")
+        return F.embedding(input_ids, self.embed_tokens.weight)
+
+    def forward(self, target_hidden: torch.Tensor, block_input_ids: torch.Tensor, blocks: BlockBatch,
+                *, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """[N, B, H] block hidden states after the final norm (logits: `compute_logits`).
+
+        target_hidden [k, T, H] planes in target_layer_ids order (pass the capture's layer_ids
+        to have the order checked); block_input_ids [N, B]; blocks gives positions, documents
+        and validity (build_blocks).
+        """
+        self.check_context(target_hidden, layer_ids)
+        self.check_token_ids(block_input_ids, "block_input_ids")
+        n, b = block_input_ids.shape
+        if (n, b) != (blocks.num_blocks, blocks.block_size) or target_hidden.shape[1] != blocks.num_context:
+            raise ContextError(f"blocks describe {blocks.num_blocks}x{blocks.block_size} blocks over "
+                               f"{blocks.num_context} tokens; got {n}x{b} over {target_hidden.shape[1]}")
+        dtype = self.fc.weight.dtype
+        if not torch.is_autocast_enabled(target_hidden.device.type):
+            target_hidden = target_hidden.to(dtype)
+        layout = AttentionLayout.from_blocks(blocks, self.segment_rows)
+        target_hidden = self.project_context(target_hidden)
+        noise_embedding = self.embed(block_input_ids.reshape(n * b)).to(dtype)
+        cfg = self.config
+        rope = (*rope_cos_sin(layout.query_pos, cfg.head_dim, cfg.rope_theta),
+                *rope_cos_sin(layout.key_pos, cfg.head_dim, cfg.rope_theta))
+        impl = self.attn_impl
+        if impl == "auto":
+            impl = "sdpa" if target_hidden.device.type == "cuda" else "split"
+        make_mask = {"split": lambda w: (layout.segments, layout.split_masks(w)),
+                     "sdpa": layout.dense_mask, "flex": layout.flex_mask}[impl]
+        masks = {w: make_mask(w) for w in {layer.self_attn.sliding_window for layer in self.layers}}
+
+        hidden_states = noise_embedding
+        for layer in self.layers:
+            args = (hidden_states, target_hidden, rope, masks[layer.self_attn.sliding_window], impl)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                hidden_states = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                hidden_states = layer(*args)
+        return self.norm(hidden_states).view(n, b, -1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits through the frozen lm_head (decode/eval; training uses the chunked loss)."""
+        if not self.lm_head.loaded:
+            raise TargetHeadError("the target's lm_head is not loaded (load_target_head / set_target_head)")
+        return F.linear(hidden.to(self.lm_head.weight.dtype), self.lm_head.weight)
