@@ -1,0 +1,550 @@
+"""make-toy-target: a tiny Qwen3.5 LM trained on the toy corpus, so a drafter has something to learn.
+
+A randomly initialised target is useless for measuring acceptance length: its greedy choices are
+noise, and no drafter can predict noise. This trains the built-in tiny Qwen3.5 architecture
+(`target_server.tiny`, hybrid 3 Gated-DeltaNet : 1 attention) from scratch on chat samples from
+`target_server.toy_corpus`, whose answers follow from their prompts (counting, times tables,
+spelling, copying lists, facts of a fixed made-up world). A few CPU minutes teach it the shape of
+the answers (not yet always their content, see docs/benchmarks.md): its greedy output is
+structured, repetitive text whose next tokens its own hidden states predict, a target worth
+drafting for.
+
+    dfpipe make-toy-target --out DIR [--minutes 8] [--seed 0]
+
+    DIR/
+      config.json, model.safetensors     Qwen3_5ForCausalLM (fp32), loadable with from_pretrained
+      tokenizer.json, tokenizer_config.json, chat_template.jinja    the demo tokenizer (vocab 512)
+      toy_target.json                    recipe, steps, final loss, held-out greedy accuracy, timings
+
+Training data is streamed: pool k holds corpus samples [k*P, (k+1)*P), sorted by length and cut
+into batches of at most `batch_tokens` padded tokens, so no sample is seen twice and padding stays
+small. Held-out samples come from the same generator at
+indices >= HELDOUT_START, which training never reaches. Loss covers assistant tokens only (the
+chat template's generation span, `<|im_end|>` included): the prompts are random by design.
+
+Determinism: the initial weights and the data order are pure functions of the seed. `--minutes` is
+a wall-clock budget: the learning rate decays with the share of it used, and the step count that
+fit is recorded in toy_target.json. Pass `steps=` to `make_toy_target` for a schedule that is a
+function of the step alone, reproducible across machines (bit-exact only as far as torch's CPU
+kernels are; the time budget still caps the run). On a shared CPU, OMP_NUM_THREADS=1 is faster
+than oversubscribed threads (torch's intra-op threads spin while another process holds the cores).
+
+The second half of the file trains a drafter for the toy target in-process (`regenerate_answers`,
+`train_toy_drafter`): the target server's capture and the trainer's anchors, blocks and loss
+without the ring in between, for bench/toy_tau.py and tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from dfpipe.eval import TargetModel, chat_prompt_turns, first_difference, greedy_decode, stop_token_ids
+from target_server import toy_corpus
+from target_server.tiny import build_tiny_target
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo",
+                             "tokenizer")
+REPORT_FILE = "toy_target.json"
+# Held-out samples live far beyond any index training reaches (1M samples: ~13 CPU-hours of the default recipe).
+HELDOUT_START = 1_000_000
+
+
+@dataclass
+class ToyRecipe:
+    """Every knob of the toy target, with the values the default run uses."""
+    hidden_size: int = 128
+    num_layers: int = 8              # 3 Gated-DeltaNet : 1 full attention, as published Qwen3.5
+    # Small batches, high learning rate: on a CPU budget many small steps beat few large ones
+    # (held-out answer loss after the same 250K tokens: 0.95 with 512-token batches at 6e-3,
+    # 1.04 with 1024 at 3e-3, 1.10 with 2048 at 3e-3).
+    batch_tokens: int = 512          # padded tokens per optimizer step
+    pool_samples: int = 256          # samples sorted by length together (bucketing window)
+    max_len: int = 384               # longer samples are skipped and counted (rare in the corpus)
+    prompt_weight: float = 0.0       # loss weight of non-assistant tokens (assistant tokens weigh 1)
+    lr: float = 6e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    heldout_samples: int = 48        # prompts decoded greedily at the end
+    heldout_max_new_tokens: int = 160
+    eval_fraction: float = 0.12      # of the time budget kept back for the held-out check and saving
+
+
+@dataclass
+class ToyReport:
+    """What toy_target.json records about one run."""
+    seed: int
+    steps: int
+    minutes_budget: float
+    train_seconds: float
+    total_seconds: float
+    samples_drawn: int
+    tokens_seen: int
+    skipped_overlong: int
+    final_train_loss: float                  # mean assistant-token CE over the last 10% of steps
+    heldout_loss: float                      # teacher-forced assistant-token CE on held-out samples
+    heldout_token_accuracy: float            # teacher-forced argmax == label on held-out assistant tokens
+    heldout_exact_match: float               # greedy answer == reference answer, whole string
+    heldout_prefix_accuracy: float           # mean fraction of answer tokens before the first greedy error
+    heldout_decoded: int                     # held-out prompts decoded greedily (as many as the budget allowed)
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    recipe: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def heldout_samples(seed: int, n: int) -> list[toy_corpus.Sample]:
+    """n corpus samples that training with `seed` never sees (same generator, disjoint indices)."""
+    return [toy_corpus.sample(seed, HELDOUT_START + i) for i in range(n)]
+
+
+def auto_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_tokenizer(path: str = TOKENIZER_DIR) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def encode_chats(tokenizer: Any, samples: list[toy_corpus.Sample]) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, assistant mask) per sample, rendered with the tokenizer's chat template."""
+    out = tokenizer.apply_chat_template([s["messages"] for s in samples], tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return [(list(ids), list(mask)) for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
+
+
+class StreamedBatches:
+    """Length-bucketed batches over the endless toy corpus, a pure function of (seed, batch order).
+
+    Pool k holds samples [k*P, (k+1)*P). It is sorted by length and cut greedily into batches whose
+    padded size (rows x longest row) stays within `batch_tokens`; the batches of a pool are then
+    shuffled with a generator seeded by (seed, k). Each batch is `(input_ids [B, T], weights [B, T])`,
+    right-padded with `pad_id` (invisible to a causal model, so no attention mask is needed); the
+    loss weight of a token is 1 on assistant tokens, `prompt_weight` on the other real tokens and
+    0 on padding.
+    """
+
+    def __init__(self, tokenizer: Any, seed: int, recipe: ToyRecipe, pad_id: int) -> None:
+        self.tokenizer, self.seed, self.recipe, self.pad_id = tokenizer, seed, recipe, pad_id
+        self.samples_drawn = 0
+        self.skipped_overlong = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        pool = 0
+        while True:
+            yield from self._pool_batches(pool)
+            pool += 1
+
+    def _pool_batches(self, pool: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        p = self.recipe.pool_samples
+        samples = [toy_corpus.sample(self.seed, i) for i in range(pool * p, (pool + 1) * p)]
+        docs = []
+        for ids, mask in encode_chats(self.tokenizer, samples):
+            if len(ids) > self.recipe.max_len:
+                self.skipped_overlong += 1
+                log.warning("toy target: skipped a %d-token sample (max_len %d)", len(ids), self.recipe.max_len)
+                continue
+            docs.append((ids, mask))
+        docs.sort(key=lambda d: len(d[0]))
+        groups: list[list[tuple[list[int], list[int]]]] = [[]]
+        for doc in docs:
+            # docs ascend in length, so the newcomer is the longest row of its group
+            if groups[-1] and (len(groups[-1]) + 1) * len(doc[0]) > self.recipe.batch_tokens:
+                groups.append([])
+            groups[-1].append(doc)
+        random.Random(f"toy-target/{self.seed}/{pool}").shuffle(groups)
+        self.samples_drawn += len(docs)
+        return [pad_batch(group, self.pad_id, self.recipe.prompt_weight) for group in groups]
+
+
+def pad_batch(docs: list[tuple[list[int], list[int]]], pad_id: int, prompt_weight: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids [B, T], loss weights [B, T]) of (ids, assistant mask) documents."""
+    width = max(len(ids) for ids, _ in docs)
+    input_ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
+    weights = torch.zeros((len(docs), width))
+    for row, (ids, mask) in enumerate(docs):
+        input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        weights[row, :len(ids)] = token_weights(mask, prompt_weight)
+    return input_ids, weights
+
+
+def lr_at(step: int, progress: float, recipe: ToyRecipe | DrafterRecipe) -> float:
+    """Linear warmup over the first steps, then cosine from lr down to min_lr_ratio * lr as progress goes 0 -> 1."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+
+
+def token_weights(assistant_mask: list[int], prompt_weight: float) -> torch.Tensor:
+    """Loss weight per token: 1 on assistant tokens, prompt_weight elsewhere."""
+    mask = torch.tensor(assistant_mask, dtype=torch.float32)
+    return mask + (1 - mask) * prompt_weight
+
+
+@dataclass
+class LMLoss:
+    loss: torch.Tensor          # weighted mean CE (differentiable)
+    answer_ce_sum: float        # CE summed over assistant tokens
+    answer_tokens: int
+    answer_correct: int         # assistant tokens whose argmax is the label
+
+
+def lm_loss(model: Any, input_ids: torch.Tensor, weights: torch.Tensor) -> LMLoss:
+    """Weighted next-token CE (logits[t] predicts token t+1, with token t+1's weight) and answer statistics."""
+    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+    target, w = input_ids[:, 1:], weights[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view_as(w)
+    answer = w == 1
+    with torch.no_grad():
+        stats = (float((ce * answer).sum()), int(answer.sum()), int(((logits.argmax(-1) == target) & answer).sum()))
+    return LMLoss((ce * w).sum() / w.sum().clamp_min(1e-9), *stats)
+
+
+@dataclass
+class TrainRun:
+    losses: list[float] = field(default_factory=list)          # answer-token CE per step
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    tokens_seen: int = 0
+
+
+def train_lm(model: Any, data: StreamedBatches, recipe: ToyRecipe, steps: int | None, deadline: float,
+             say: Callable[[str], None]) -> TrainRun:
+    """AdamW on the weighted LM loss until `steps` steps or the deadline (time.monotonic()), whichever first."""
+    device = next(model.parameters()).device
+    model.train()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]          # norms, gates: no weight decay
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": recipe.weight_decay},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=recipe.lr, betas=recipe.betas)
+    run = TrainRun()
+    start = time.monotonic()
+    for step, (input_ids, weights) in enumerate(data):
+        now = time.monotonic()
+        if (steps is not None and step >= steps) or now >= deadline:
+            break
+        # With a step count the schedule is a function of the step (reproducible); with only a time
+        # budget it follows the share of the budget used, so a machine slowed down by other work
+        # still finishes its cosine decay instead of being cut off at a high learning rate.
+        progress = step / steps if steps is not None else (now - start) / max(1e-9, deadline - start)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, progress, recipe)
+        out = lm_loss(model, input_ids.to(device), weights.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        run.losses.append(out.answer_ce_sum / max(1, out.answer_tokens))
+        run.tokens_seen += int(input_ids.numel())
+        if step % 25 == 0:
+            run.curve.append((step, round(run.losses[-1], 4)))
+            say(f"toy target: step {step} ({progress:.0%} of the schedule) answer loss {run.losses[-1]:.3f} "
+                f"({now - start:.0f} s)")
+    model.eval()
+    return run
+
+
+
+@torch.no_grad()
+def evaluate_heldout(model: Any, tokenizer: Any, samples: list[toy_corpus.Sample], max_new_tokens: int,
+                     deadline: float | None = None) -> dict[str, float]:
+    """Teacher-forced loss/accuracy on the assistant tokens, and greedy answers of the first assistant turn.
+
+    Greedy decoding is the slow part (one full forward per token); it covers samples in order until
+    `deadline` (time.monotonic()), at least one, and says how many it decoded.
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    input_ids, weights = pad_batch(encode_chats(tokenizer, samples), tokenizer.pad_token_id, 0.0)
+    teacher_forced = lm_loss(model, input_ids.to(device), weights.to(device))
+    stops = stop_token_ids(tokenizer)
+    target = TargetModel(model)
+    exact, prefix_fracs = 0, []
+    for s in samples:
+        if prefix_fracs and deadline is not None and time.monotonic() >= deadline:
+            break
+        turns = chat_prompt_turns(s)
+        prompt = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+        answer_text = s["messages"][len(turns)]["content"]
+        reference = tokenizer(answer_text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        answer = greedy_decode(target, prompt, min(max_new_tokens, len(reference) + 8), stops).tokens
+        differs_at = first_difference(answer, reference)
+        exact += differs_at is None
+        prefix_fracs.append(min(len(reference), len(answer) if differs_at is None else differs_at) / len(reference))
+    decoded = len(prefix_fracs)
+    tokens = max(1, teacher_forced.answer_tokens)
+    return {"loss": teacher_forced.answer_ce_sum / tokens, "token_accuracy": teacher_forced.answer_correct / tokens,
+            "exact_match": exact / decoded, "prefix_accuracy": sum(prefix_fracs) / decoded, "decoded": decoded}
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}"}
+
+
+def _prepare_out_dir(out_dir: str) -> None:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise FileExistsError(f"{out_dir} exists and is not an empty folder; choose another --out or remove it")
+
+
+def make_toy_target(out_dir: str, minutes: float = 8.0, seed: int = 0, steps: int | None = None,
+                    recipe: ToyRecipe | None = None, device: torch.device | None = None,
+                    progress: Callable[[str], None] | None = None) -> ToyReport:
+    """Train the toy target and write it to out_dir (which must not exist or be empty); return its report.
+
+    minutes bounds the whole run (training stops at the deadline whatever `steps` says); with
+    steps=None training runs until the training share of the budget is used.
+    """
+    recipe = recipe or ToyRecipe()
+    say = progress or log.info
+    if minutes <= 0:
+        raise ValueError(f"minutes must be positive, got {minutes}")
+    if recipe.max_len > recipe.batch_tokens:
+        raise ValueError(f"max_len ({recipe.max_len}) must fit in one batch (batch_tokens {recipe.batch_tokens})")
+    _prepare_out_dir(out_dir)
+    t0 = time.monotonic()
+    deadline = t0 + minutes * 60 * (1 - recipe.eval_fraction)
+    device = device or auto_device()
+    tokenizer = load_tokenizer()
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".toy-target-", dir=parent)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        build_tiny_target(tmp, arch="qwen3.5", vocab_size=len(tokenizer), hidden_size=recipe.hidden_size,
+                          num_layers=recipe.num_layers, seed=seed, tokenizer_dir=TOKENIZER_DIR)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
+        data = StreamedBatches(tokenizer, seed, recipe, pad_id=tokenizer.pad_token_id)
+        torch.manual_seed(seed)
+        run = train_lm(model, data, recipe, steps, deadline, say)
+        if not run.losses:
+            raise RuntimeError(f"no training step fit in {minutes} minutes")
+        train_seconds = time.monotonic() - t0
+        tail = run.losses[-max(1, len(run.losses) // 10):]
+        # the held-out check may use what is left of the budget, less a moment for saving
+        heldout = evaluate_heldout(model, tokenizer, heldout_samples(seed, recipe.heldout_samples),
+                                   recipe.heldout_max_new_tokens, deadline=t0 + minutes * 60 * 0.97 - 2)
+        model.to("cpu").save_pretrained(tmp, safe_serialization=True)
+        report = ToyReport(
+            seed=seed, steps=len(run.losses), minutes_budget=minutes, train_seconds=round(train_seconds, 1),
+            total_seconds=0.0, samples_drawn=data.samples_drawn, tokens_seen=run.tokens_seen,
+            skipped_overlong=data.skipped_overlong, final_train_loss=round(sum(tail) / len(tail), 4),
+            heldout_loss=round(heldout["loss"], 4), heldout_token_accuracy=round(heldout["token_accuracy"], 4),
+            heldout_exact_match=round(heldout["exact_match"], 4),
+            heldout_prefix_accuracy=round(heldout["prefix_accuracy"], 4), heldout_decoded=int(heldout["decoded"]),
+            loss_curve=run.curve, recipe=asdict(recipe), versions=_versions())
+        report.total_seconds = round(time.monotonic() - t0, 1)
+        with open(os.path.join(tmp, REPORT_FILE), "w", encoding="utf-8") as f:
+            json.dump(asdict(report), f, indent=1)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.rename(tmp, out_dir)  # a reader never sees a half-written target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def read_report(target_dir: str) -> dict[str, Any] | None:
+    """toy_target.json of a folder made by make_toy_target, or None for any other folder."""
+    path = os.path.join(target_dir, REPORT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`dfpipe make-toy-target`: args.out, args.minutes, args.seed."""
+    from .cli import _quiet_fla_on_cpu
+
+    _quiet_fla_on_cpu()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        report = make_toy_target(args.out, minutes=args.minutes, seed=args.seed,
+                                 steps=getattr(args, "steps", None), progress=print)
+    except (FileExistsError, ValueError, RuntimeError) as e:
+        print(f"dfpipe make-toy-target: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {report.steps} steps in {report.train_seconds:.0f} s, final train loss "
+          f"{report.final_train_loss:.3f}, held-out loss {report.heldout_loss:.3f}, token accuracy "
+          f"{report.heldout_token_accuracy:.1%}, greedy exact match {report.heldout_exact_match:.1%} "
+          f"(prefix {report.heldout_prefix_accuracy:.1%}) on {report.heldout_decoded} held-out prompts")
+    return 0
+
+
+# ---- a quick drafter for the toy target, trained in-process ----------------------------------
+# The real path is the two services (target_server -> ring -> drafter_trainer). This one runs the
+# same pieces in one process without the ring: the target server's capture (`TargetRunner`), the
+# trainer's anchors, blocks and DFlash loss. bench/toy_tau.py uses it for the tau-vs-steps curve;
+# a CI test can use it to prove that training raises tau.
+
+
+@torch.no_grad()
+def regenerate_answers(target_dir: str, samples: list[toy_corpus.Sample], max_new_tokens: int = 192,
+                       batch_size: int = 32, device: torch.device | None = None) -> list[toy_corpus.Sample]:
+    """The samples with their first assistant turn replaced by the target's own greedy answer.
+
+    DFlash trains the drafter on the target's responses, not the dataset's: the drafter must
+    predict what the target will say. Later turns are dropped. Batched `generate` with a cache
+    (left padding): fast, and the exact tokens matter less here than in the lossless check.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = device or auto_device()
+    tokenizer = load_tokenizer(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    stops = sorted(stop_token_ids(tokenizer))
+    out: list[toy_corpus.Sample] = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start:start + batch_size]
+        prefixes = [chat_prompt_turns(s) for s in chunk]       # corpus samples: always a valid prompt
+        prompts = [tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)
+                   ["input_ids"] for p in prefixes]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
+                                 device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                   max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                   pad_token_id=tokenizer.pad_token_id)[:, width:]
+        for prefix, row in zip(prefixes, generated.tolist()):
+            end = next((i for i, t in enumerate(row) if t in stops), len(row))
+            answer = tokenizer.decode(row[:end], skip_special_tokens=False)
+            out.append({"messages": [*prefix, {"role": "assistant", "content": answer}]})
+    return out
+
+
+@dataclass
+class DrafterRecipe:
+    """Knobs of the in-process drafter training (DESIGN.md section 4 recipe, shortened for a CPU)."""
+    num_layers: int = 2
+    block_size: int = 16
+    token_budget: int = 2048
+    max_anchors: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss_chunk: int = 1024
+
+
+@dataclass
+class DrafterStep:
+    """What `train_toy_drafter` reports after each step."""
+    step: int
+    epoch: int
+    loss: float
+    implied_tau: float      # from this batch's per-position accuracy (an estimate; eval measures tau)
+    seconds: float
+
+
+def pack_documents(docs: list[tuple[list[int], list[int]]], token_budget: int) -> list[list[int]]:
+    """Indices of docs grouped, in order, into rows of at most token_budget tokens (longer docs skipped, logged)."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, (ids, _) in enumerate(docs):
+        if len(ids) > token_budget:
+            log.warning("drafter data: document %d has %d tokens > token budget %d; skipped", i, len(ids),
+                        token_budget)
+            continue
+        if used + len(ids) > token_budget:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += len(ids)
+    return [r for r in rows if r]
+
+
+def train_toy_drafter(target_dir: str, samples: list[toy_corpus.Sample], steps: int,
+                      recipe: DrafterRecipe | None = None, seed: int = 0, device: torch.device | None = None,
+                      on_step: Callable[[DrafterStep, Any], None] | None = None) -> Any:
+    """Train a DFlash drafter for `steps` optimizer steps on the target's captured states of `samples`.
+
+    The samples are packed once into rows of token_budget tokens and captured once (the target
+    is frozen, so epochs reuse the planes); anchors are resampled every epoch. on_step(step_info,
+    model) runs after every step (evaluation, export, logging). Returns the drafter (train mode off).
+    """
+    from common.batch import PackedBatch, document_positions
+    from common.config import DrafterConfig, default_gamma
+    from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors
+    from drafter_trainer.loss import dflash_loss, implied_acceptance_length
+    from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+    from target_server.target import TargetRunner
+
+    recipe = recipe or DrafterRecipe()
+    device = device or auto_device()
+    tokenizer = load_tokenizer(target_dir)
+    runner = TargetRunner.load(target_dir, device=str(device), dtype="fp32")
+    docs = encode_chats(tokenizer, samples)
+    batches = []
+    for row in pack_documents(docs, recipe.token_budget):
+        doc_lens = torch.tensor([len(docs[i][0]) for i in row], dtype=torch.int32)
+        input_ids = torch.tensor([t for i in row for t in docs[i][0]], dtype=torch.int32)
+        position_ids = document_positions(doc_lens).to(torch.int32)
+        hidden = runner.capture(input_ids, position_ids, doc_lens)
+        batches.append(PackedBatch(hidden=hidden, input_ids=input_ids.to(device),
+                                   loss_mask=torch.tensor([m for i in row for m in docs[i][1]], dtype=torch.uint8,
+                                                          device=device),
+                                   position_ids=position_ids.to(device), doc_lens=doc_lens.to(device),
+                                   sample_ids=torch.tensor(row, dtype=torch.int64, device=device), seq=len(batches)))
+    if not batches:
+        raise ValueError("no training documents for the drafter")
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        target_config = json.load(f)
+    config = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=recipe.num_layers,
+                                                                   block_size=recipe.block_size),
+                                      runner.layer_ids, int(tokenizer.mask_token_id))
+    del runner
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config).to(device)
+    model.load_target_head(target_dir, dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.95))
+    gamma = default_gamma(recipe.block_size)
+    model.train()
+    for step in range(steps):
+        t = time.perf_counter()
+        epoch, index = divmod(step, len(batches))
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        batch = batches[int(order[index])]
+        gen = torch.Generator().manual_seed(anchor_seed(seed, epoch, batch.seq))
+        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), recipe.max_anchors, gen)
+        blocks = build_blocks(batch, anchors.to(device), recipe.block_size, config.mask_token_id, gamma)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, step / steps, recipe)
+        out = dflash_loss(model, batch, blocks, recipe.loss_chunk)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
+        optimizer.step()
+        if on_step is not None:
+            info = DrafterStep(step=step + 1, epoch=epoch, loss=float(out.loss.detach()),
+                               implied_tau=implied_acceptance_length(out.accuracy_per_pos),
+                               seconds=time.perf_counter() - t)
+            model.eval()
+            on_step(info, model)
+            model.train()
+    return model.eval()

@@ -1,0 +1,209 @@
+"""dfpipe eval: speculative decoding equals greedy decoding, and its acceptance accounting is exact.
+
+The target is a tiny random Qwen3.5 (hybrid Gated-DeltaNet + attention) built from a config; the
+API tests run it in float64 so that no top-2 logit near-tie can make two mathematically equal
+forwards disagree. Oracle drafters (monkeypatched `draft_block`) that know the target's greedy
+continuation prove the tau / per-position bookkeeping; a corrupted acceptance rule proves that
+the lossless check catches a wrong token and names where it is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from common.config import DrafterConfig
+from dfpipe import eval as ev
+from drafter_trainer.blocks import build_blocks
+from drafter_trainer.export import export_drafter
+from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+from common.batch import PackedBatch
+from target_server.tiny import build_tiny_target
+
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo",
+                             "tokenizer")
+LAYER_IDS = [1, 2, 3]
+MASK_ID = 3
+BLOCK = 4
+NEW_TOKENS = 13     # not a multiple of BLOCK: the last step is truncated
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("target"))
+    return build_tiny_target(path, hidden_size=64, num_layers=4, seed=1, tokenizer_dir=TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir: str) -> ev.TargetModel:
+    return ev.TargetModel.load(target_dir, torch.device("cpu"), LAYER_IDS, dtype=torch.float64)
+
+
+def make_drafter(target_dir: str, block_size: int = BLOCK, seed: int = 0) -> DFlashDraftModel:
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        target_config = json.load(f)
+    config = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=1, block_size=block_size),
+                                      LAYER_IDS, MASK_ID)
+    torch.manual_seed(seed)
+    drafter = DFlashDraftModel(config)
+    drafter.load_target_head(target_dir)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(target_dir: str) -> DFlashDraftModel:
+    return make_drafter(target_dir)
+
+
+PROMPTS = [[1, 277, 202, 75, 76, 2, 202, 1, 271, 202], [1, 277, 202, 300, 301, 302, 303, 2, 202, 1, 271, 202]]
+
+
+def oracle(monkeypatch: pytest.MonkeyPatch, target: ev.TargetModel, prompt: list[int], right: int,
+           check_anchor: bool = True) -> list[int]:
+    """Make draft_block propose the target's own greedy continuation for the first `right` block
+    positions and a wrong token after; return that continuation."""
+    reference = ev.greedy_decode(target, prompt, NEW_TOKENS + 2 * BLOCK, set()).tokens
+
+    def draft(drafter: Any, context: torch.Tensor, anchor_token: int) -> list[int]:
+        j = context.shape[1] - len(prompt)             # output index of the anchor
+        assert not check_anchor or reference[j] == anchor_token, "the anchor must be the last verified token"
+        true = reference[j + 1:j + drafter.config.block_size]
+        return [t if k < right else (t + 1) % 512 for k, t in enumerate(true)]
+
+    monkeypatch.setattr(ev, "draft_block", draft)
+    return reference
+
+
+def test_untrained_drafter_is_lossless_with_tau_near_one(target: ev.TargetModel, drafter: DFlashDraftModel) -> None:
+    report = ev.evaluate(target, drafter, ev.Prompts(PROMPTS, [1, 2]), NEW_TOKENS, set())
+    assert report.lossless, report.mismatches
+    assert report.generated_tokens == 2 * NEW_TOKENS
+    assert 1.0 <= report.tau < 1.3          # a random drafter almost never guesses a 512-way token
+    # every verify forward yields n + 1 tokens; together they cover the outputs after the prefill token
+    yielded = sum((n + 1) * count for n, count in enumerate(report.accepted_histogram))
+    assert 2 * (NEW_TOKENS - 1) <= yielded < 2 * (NEW_TOKENS - 1 + BLOCK)
+
+
+def test_oracle_drafter_reaches_tau_equal_to_block_size(monkeypatch: pytest.MonkeyPatch, target: ev.TargetModel,
+                                                         drafter: DFlashDraftModel) -> None:
+    prompt = PROMPTS[0]
+    reference = oracle(monkeypatch, target, prompt, right=BLOCK)
+    spec = ev.speculative_decode(target, drafter, prompt, NEW_TOKENS, set())
+    assert spec.tokens == reference[:NEW_TOKENS]
+    # prefill gives token 0; each verify forward then yields the B-1 drafts plus the bonus token
+    assert spec.accepted == [BLOCK - 1] * -(-(NEW_TOKENS - 1) // BLOCK)
+    tau, per_position, histogram = ev.summarize(spec.accepted, BLOCK)
+    assert tau == BLOCK and per_position == [1.0] * (BLOCK - 1) and histogram[-1] == len(spec.accepted)
+
+
+@pytest.mark.parametrize("right", [0, 1, 2])
+def test_partly_right_drafter_accepts_exactly_its_right_prefix(monkeypatch: pytest.MonkeyPatch, right: int,
+                                                                target: ev.TargetModel,
+                                                                drafter: DFlashDraftModel) -> None:
+    prompt = PROMPTS[1]
+    reference = oracle(monkeypatch, target, prompt, right=right)
+    report = ev.evaluate(target, drafter, ev.Prompts([prompt], [1]), NEW_TOKENS, set())
+    assert report.lossless, report.mismatches
+    assert report.tau == right + 1
+    assert report.acceptance_per_position == [1.0] * right + [0.0] * (BLOCK - 1 - right)
+    assert report.generated_tokens == len(reference[:NEW_TOKENS])
+
+
+def test_corrupted_acceptance_is_reported_at_the_first_wrong_token(monkeypatch: pytest.MonkeyPatch,
+                                                                    target: ev.TargetModel,
+                                                                    drafter: DFlashDraftModel) -> None:
+    oracle(monkeypatch, target, PROMPTS[0], right=1, check_anchor=False)   # draft position 2 is always wrong
+    real = ev.accept_length
+    monkeypatch.setattr(ev, "accept_length", lambda draft, verified: min(len(draft), real(draft, verified) + 1))
+    report = ev.evaluate(target, drafter, ev.Prompts([PROMPTS[0]], [7]), NEW_TOKENS, set())
+    assert not report.lossless
+    (m,) = report.mismatches
+    # output 0 comes from prefill, 1 is the right draft, 2 the wrongly accepted one
+    assert (m.prompt, m.line, m.position) == (0, 7, 2)
+    assert m.speculative != m.greedy and m.greedy_margin is not None and m.greedy_margin > 0
+
+
+def test_output_stops_at_a_stop_token_exactly_like_greedy(target: ev.TargetModel, drafter: DFlashDraftModel,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = oracle(monkeypatch, target, PROMPTS[0], right=BLOCK)
+    stop = reference[5]
+    first = reference.index(stop)
+    spec = ev.speculative_decode(target, drafter, PROMPTS[0], NEW_TOKENS, {stop})
+    assert spec.tokens == reference[:first + 1]
+    assert ev.greedy_decode(target, PROMPTS[0], NEW_TOKENS, {stop}).tokens == spec.tokens
+
+
+def test_decode_block_sees_what_a_training_block_sees(target: ev.TargetModel, drafter: DFlashDraftModel) -> None:
+    """single_block at decode == build_blocks over a packed row whose anchor features exist but are invisible."""
+    ids = PROMPTS[1]
+    _, features = target.forward(ids)
+    anchor = len(ids) - 3
+    trained_view = PackedBatch(hidden=features.float(), input_ids=torch.tensor(ids, dtype=torch.int32),
+                               loss_mask=torch.ones(len(ids), dtype=torch.uint8),
+                               position_ids=torch.arange(len(ids), dtype=torch.int32),
+                               doc_lens=torch.tensor([len(ids)], dtype=torch.int32),
+                               sample_ids=torch.zeros(1, dtype=torch.int64))
+    blocks = build_blocks(trained_view, torch.tensor([anchor]), BLOCK, MASK_ID, gamma=4.0)
+    with torch.no_grad():
+        training = drafter(trained_view.hidden, blocks.block_input_ids, blocks)[0, 1:]
+        training_tokens = drafter.compute_logits(training).argmax(-1).tolist()
+        decode = ev.single_block(anchor, ids[anchor], BLOCK, MASK_ID, torch.device("cpu"))
+        decoded = drafter(features[:, :anchor].float(), decode.block_input_ids, decode)[0, 1:]
+    torch.testing.assert_close(decoded, training, rtol=1e-5, atol=1e-5)
+    assert ev.draft_block(drafter, features[:, :anchor].float(), ids[anchor]) == training_tokens
+
+
+def test_prompts_file_chat_rows_use_turns_before_the_first_answer_and_count_bad_rows(tmp_path: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell cat."},
+                      {"role": "assistant", "content": "C-A-T."}, {"role": "user", "content": "Again."}]},
+        {"messages": [{"role": "assistant", "content": "no question"}]},
+        {"messages": "not a list"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    prompts = ev.load_prompts(str(path), tok)
+    assert prompts.kind == "chat" and prompts.source_lines == [1]
+    assert [line for line, _ in prompts.skipped] == [2, 3, 4]
+    expected = tok.apply_chat_template(rows[0]["messages"][:2], tokenize=True, add_generation_prompt=True,
+                                       return_dict=True)["input_ids"]
+    assert prompts.token_ids == [list(expected)]
+    text = tmp_path / "p.txt"
+    text.write_text("Spell cat.\n\nCount from 1 to 3.\n")
+    plain = ev.load_prompts(str(text), tok, limit=1)
+    assert plain.kind == "text" and plain.source_lines == [1] and tok.decode(plain.token_ids[0]).endswith(
+        "<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _cli_args(tmp_path: Any, target_dir: str, drafter_dir: str, **kw: Any) -> argparse.Namespace:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Count from 3 to 9.\nSpell the word fox.\n")
+    base = dict(target=target_dir, drafter=drafter_dir, prompts=str(prompts), block_size=0, max_new_tokens=9,
+                limit=0, device="auto", json=True)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_cli_exports_load_and_exit_codes_follow_the_lossless_check(tmp_path: Any, target_dir: str,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    drafter_dir = str(tmp_path / "drafter")
+    export_drafter(make_drafter(target_dir, block_size=8), drafter_dir)
+    assert ev.main(_cli_args(tmp_path, target_dir, drafter_dir, block_size=BLOCK)) == ev.EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["lossless"] and report["block_size"] == BLOCK and report["prompts"] == 2
+    assert len(report["acceptance_per_position"]) == BLOCK - 1
+
+    monkeypatch.setattr(ev, "accept_length", lambda draft, verified: len(draft))   # accept everything
+    assert ev.main(_cli_args(tmp_path, target_dir, drafter_dir, json=False)) == ev.EXIT_MISMATCH
+    captured = capsys.readouterr()
+    assert "lossless: FAILED" in captured.out and "output position 1" in captured.err
+
+    assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "missing"))) == ev.EXIT_USAGE
+    assert "drafter folder not found" in capsys.readouterr().err
