@@ -17,6 +17,7 @@ import zmq
 
 from common.channel import DealerChannel
 from common.config import load_config
+from common.liveness import process_start_time, self_identity
 from common.metrics import StageTimes
 from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, next_rid
 from common.ring import ConsumerRing, ProducerRing
@@ -31,10 +32,13 @@ pytestmark = pytest.mark.timeout(600)
 class ScriptedConsumer:
     """A trainer rank reduced to the protocol: HELLO, read announced slots, ack some of them."""
 
-    def __init__(self, endpoint: str, have: SeqSet, job: str) -> None:
+    def __init__(self, endpoint: str, have: SeqSet, job: str, identity: tuple[int, int] | None = None) -> None:
+        """identity: the (pid, start time) the server watches for liveness (default: this process)."""
         self.chan = DealerChannel(endpoint)
-        self.chan.send(Hello(rid=next_rid(), job=job, rank=0, world=1, pid=os.getpid(), start_time=0,
-                             have=have, epochs=1, credit=2))
+        pid, start = identity or self_identity()
+        self.hello = Hello(rid=next_rid(), job=job, rank=0, world=1, pid=pid, start_time=start,
+                           have=have, epochs=1, credit=2)
+        self.chan.send(self.hello)
         self.welcome = self._expect(Welcome, 120)
         self.rings = {r.worker: ConsumerRing.attach(r.path, cuda_register="off") for r in self.welcome.rings}
         self.acked: list[int] = []
@@ -46,9 +50,9 @@ class ScriptedConsumer:
             msg = self.chan.recv(timeout_s=0.5)
             if isinstance(msg, kind):
                 return msg
-            if isinstance(msg, Reply) and not msg.ok:
-                self.chan.send(Hello(rid=next_rid(), job="retry", rank=0, world=1, pid=os.getpid(),
-                                     start_time=0, have=SeqSet(), epochs=1, credit=2))
+            if isinstance(msg, Reply) and not msg.ok:  # not serving yet: ask again, same question
+                time.sleep(0.2)
+                self.chan.send(self.hello)
         raise AssertionError(f"no {kind.__name__} within {timeout}s")
 
     def take(self, n: int, timeout: float = 120) -> list[int]:
@@ -105,11 +109,17 @@ def test_a_new_session_gets_exactly_the_seqs_its_have_set_lacks(two_worker_serve
     assert total >= 6
     have = SeqSet([0, 2])
 
-    first = ScriptedConsumer(endpoint, have, job="first")
+    # the first consumer's liveness is a stand-in process we can kill: it dies holding
+    # announced-but-unacked slots
+    stand_in = subprocess.Popen(["sleep", "600"])
+    first = ScriptedConsumer(endpoint, have, job="first",
+                             identity=(stand_in.pid, process_start_time(stand_in.pid)))
     assert len(first.welcome.rings) == 2
     got1 = first.take(3)
-    first.close()  # dies holding announced-but-unacked slots
-    time.sleep(0.5)
+    assert len(got1) == 3
+    stand_in.kill()
+    stand_in.wait()
+    first.close()
 
     have2 = SeqSet.union_of(have, SeqSet(got1))
     second = ScriptedConsumer(endpoint, have2, job="second")
