@@ -25,7 +25,8 @@ from common.seqset import SeqSet
 PREFIX = "step-"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder by path (a folder: so a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -60,12 +61,12 @@ def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[s
         json.dump(meta, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     fault_point("checkpoint.before_rename")
     if os.path.exists(final):  # same step saved twice (e.g. SIGTERM right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     for old in list_checkpoints(out_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

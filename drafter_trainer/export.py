@@ -22,6 +22,7 @@ import uuid
 
 import torch
 
+from drafter_trainer.checkpoint import fsync_path
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel, DrafterConfigError
 
 CONFIG_FILE = "config.json"
@@ -31,13 +32,6 @@ WEIGHTS_FILE = "model.safetensors"
 class ExportError(ValueError):
     """A drafter that cannot be exported, or an export folder that cannot be loaded."""
 
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -64,13 +58,13 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
-            _fsync_path(os.path.join(tmp, name))
-        _fsync_path(tmp)
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
         old = f"{out_dir}.old-{tag}" if os.path.exists(out_dir) else None
         if old:
             os.rename(out_dir, old)      # a directory cannot be renamed over a non-empty one
         os.rename(tmp, out_dir)
-        _fsync_path(parent)
+        fsync_path(parent)
         if old:
             shutil.rmtree(old)
     except BaseException:

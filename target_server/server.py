@@ -27,7 +27,7 @@ import zmq
 
 from common.channel import RouterChannel
 from common.config import Config
-from common.liveness import pid_alive, process_start_time
+from common.liveness import pid_alive
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError,
                              Reply, RingInfo, Welcome, next_rid)

@@ -40,3 +40,11 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     for name in leftovers:
         os.unlink(os.path.join(path, name))
     os.rmdir(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny real-architecture targets (Qwen3.5 hybrid and Qwen3), built from configs."""
+    from target_server.tiny import build_tiny_target
+    root = tmp_path_factory.mktemp("tiny-targets")
+    return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ("qwen3.5", "qwen3")}

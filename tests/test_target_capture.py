@@ -25,22 +25,6 @@ from target_server.tiny import build_tiny_target, resolve_target
 ARCHS = ("qwen3.5", "qwen3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread() -> None:
-    """One intra-op thread while this module runs: with xdist workers sharing 2 cores, OpenMP
-    oversubscription makes small batched ops (the delta rule's triangular solves) ~100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny-targets")
-    return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ARCHS}
-
-
 @pytest.fixture(scope="module")
 def runners(tiny_dirs: dict[str, str]) -> dict[str, TargetRunner]:
     return {arch: TargetRunner.load(path) for arch, path in tiny_dirs.items()}

@@ -19,28 +19,11 @@ from transformers import AutoModelForCausalLM
 from common.batch import document_positions
 from target_server import varlen
 from target_server.target import TargetRunner
-from target_server.tiny import build_tiny_target
 
 ARCHS = ("qwen3.5", "qwen3")
 # length 1, lengths below the conv kernel (4), and lengths across the delta rule's 64-token chunks
 DOC_LENS = [1, 2, 3, 5, 70, 17, 130]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread() -> None:
-    """One intra-op thread while this module runs: with xdist workers sharing 2 cores, OpenMP
-    oversubscription makes small batched ops (the delta rule's triangular solves) ~100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny-targets")
-    return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ARCHS}
 
 
 @pytest.fixture(scope="module")

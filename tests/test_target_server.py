@@ -20,7 +20,7 @@ from common.config import load_config
 from common.liveness import process_start_time, self_identity
 from common.metrics import StageTimes
 from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, next_rid
-from common.ring import ConsumerRing, ProducerRing
+from common.ring import ConsumerRing
 from common.seqset import SeqSet
 from e2e import Service, ctl, load, wait_for, write_config
 from target_server.delivery import Dispatcher

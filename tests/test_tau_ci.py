@@ -1,0 +1,44 @@
+"""A drafter trained on a (briefly) trained toy target accepts clearly more than an untrained one,
+and speculative decoding stays lossless — the CI-sized version of bench/toy_tau.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dfpipe.eval as ev
+import dfpipe.toy_target as tt
+from drafter_trainer.export import export_drafter
+from target_server import toy_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_trained_drafter_beats_untrained_drafter_by_a_clear_margin_and_stays_lossless(tmp_path) -> None:
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    target_dir = str(tmp_path / "toy-target")
+    tt.make_toy_target(target_dir, minutes=5.0, seed=0, steps=120, device=cpu)
+    train = tt.regenerate_answers(target_dir, [toy_corpus.sample(1, i) for i in range(96)],
+                                  max_new_tokens=96, device=cpu)
+    recipe = tt.DrafterRecipe(num_layers=1, block_size=8, token_budget=2048, max_anchors=256,
+                              warmup_steps=5, lr=3e-3)
+    untrained = tt.train_toy_drafter(target_dir, train[:4], steps=0, recipe=recipe, device=cpu)
+    trained = tt.train_toy_drafter(target_dir, train, steps=60, recipe=recipe, device=cpu)
+
+    prompts_file = tmp_path / "heldout.jsonl"
+    toy_corpus.write_jsonl(tt.heldout_samples(7, 6), str(prompts_file))
+    tokenizer = tt.load_tokenizer(target_dir)
+    prompts = ev.load_prompts(str(prompts_file), tokenizer)
+    assert len(prompts.token_ids) == 6
+    stop = ev.stop_token_ids(tokenizer)
+    taus = {}
+    refs: dict = {}
+    for name, model in (("untrained", untrained), ("trained", trained)):
+        export_drafter(model, str(tmp_path / name))
+        target, drafter = ev.load_models(target_dir, str(tmp_path / name), cpu)
+        report = ev.evaluate(target, drafter, prompts, 48, stop, references=refs)
+        assert report.lossless, report.mismatches
+        taus[name] = report.tau
+    print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f}")
+    assert taus["untrained"] < 1.3, taus
+    assert taus["trained"] >= taus["untrained"] + 0.5, taus
