@@ -196,6 +196,9 @@ class RingFeed:
                 self.rings[ri.worker] = ConsumerRing.attach(ri.path, cuda_register=self.cfg.ring.cuda_register)
         self.consumer_epoch = msg.consumer_epoch
         self._pending.clear()
+        # Repeats are only repeats within a session: a new session re-announces READY slots
+        # (same pub_seq) that this rank saw but never acked under the old epoch.
+        self._seen_pubs.clear()
         self.welcome = msg
         self.state = "streaming"
         self.error = ""

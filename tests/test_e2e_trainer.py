@@ -78,7 +78,9 @@ def test_a_hung_trainer_is_fenced_and_rejoins_without_losing_or_repeating_a_samp
         assert fenced["session"] is None
         os.kill(trainer.pid, signal.SIGCONT)
         assert trainer.wait(300) == 0, trainer.log()
-        assert "fenced by the target server" in trainer.log(tail=10_000)
+        log = trainer.log(tail=10_000)
+        # either it learned of the fence first, or it had already re-joined when the FENCED arrived
+        assert "fenced by the target server" in log or "already superseded by a new HELLO" in log, log
         _exactly_once(config)
         assert ctl(ep_target, "status")["sessions"] >= 2
     finally:

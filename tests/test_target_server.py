@@ -202,7 +202,7 @@ def test_prometheus_endpoint_exports_the_status_numbers(tmp_path: Path) -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "dfpipe_target_model_loads 1.0" in body
         assert "dfpipe_target_batches_produced" in body
-        assert "dfpipe_target_stages_forward_seconds" in body
+        assert "dfpipe_target_stages_load_seconds" in body  # stage times (load is recorded before serving)
     finally:
         server.stop()
 
