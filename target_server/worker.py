@@ -177,11 +177,20 @@ class TargetWorker(threading.Thread):
         k, h = len(self.runner.layer_ids), self.runner.hidden_size
         return slot.tensor("hidden", self.runner.dtype, (k, num_tokens, h))
 
-    def _published(self, seq: int, num_tokens: int) -> None:
-        self.batches += 1
-        self.tokens += num_tokens
+    def _settle(self, seq: int, num_tokens: int, published: bool) -> None:
+        """Hand a taken seq back to the dispatcher; count and announce it when it reached a slot."""
+        if published:
+            self.batches += 1
+            self.tokens += num_tokens
         self.dispatcher.done(seq)
-        self.notify()
+        if published:
+            self.notify()
+
+    def _publish(self, slot, seq: int, arrays: dict[str, np.ndarray]) -> None:
+        """Token tensors into the slot, then READY (the hidden planes are already there)."""
+        self._write_tokens(slot, arrays)
+        with self.stages.time("publish"):
+            slot.publish(self._meta(seq, arrays))
 
     def _serve_cpu(self) -> None:
         while not self._halt.is_set():
@@ -203,15 +212,10 @@ class TargetWorker(threading.Thread):
                                             torch.from_numpy(arrays["position_ids"]),
                                             torch.from_numpy(arrays["doc_lens"]), out=hidden)
                     if self._audit(seq, hidden, arrays):
-                        self._write_tokens(slot, arrays)
-                        with self.stages.time("publish"):
-                            slot.publish(self._meta(seq, arrays))
+                        self._publish(slot, seq, arrays)
                         published = True
             finally:
-                if published:
-                    self._published(seq, t)
-                else:
-                    self.dispatcher.done(seq)
+                self._settle(seq, t, published)
 
     def _acquire(self):
         """A slot context, waiting through a full ring; None when the worker is stopping."""
@@ -292,15 +296,12 @@ class TargetWorker(threading.Thread):
                     with ctx as slot:
                         hidden = self._hidden_view(slot, t)
                         with self.stages.time("copy"):
-                            with torch.cuda.stream(copy_stream):
-                                copy_stream.wait_event(forward_done)
+                            with torch.cuda.stream(copy_stream):  # already ordered after forward_done
                                 hidden.copy_(out, non_blocking=True)
                                 copied = torch.cuda.Event()
                                 copied.record(copy_stream)
-                            self._write_tokens(slot, arrays)
                             copied.synchronize()
-                        with self.stages.time("publish"):
-                            slot.publish(self._meta(seq, arrays))
+                        self._publish(slot, seq, arrays)
                         published = True
             except BaseException as e:
                 log.exception("publisher of worker %d failed", self.worker)
@@ -310,10 +311,7 @@ class TargetWorker(threading.Thread):
                 return
             finally:
                 free_staging.put(buf)
-            if published:
-                self._published(seq, t)
-            else:
-                self.dispatcher.done(seq)
+            self._settle(seq, t, published)
 
     def close(self) -> None:
         if self.ring is not None:
