@@ -66,6 +66,7 @@ class DrafterConfig:
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
     split_fc: bool = False
+    attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, sdpa on CUDA
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
     num_heads: int = 0                  # 0: the target's attention heads
@@ -91,6 +92,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     device: str = "auto"                # auto: cuda:<local_rank> if CUDA, else cpu
+    devices: list[str] = field(default_factory=list)  # placement: rank r (LOCAL_RANK) runs on devices[r]
     compute_dtype: str = "auto"         # auto: bf16 on cuda, fp32 on cpu
     max_steps: int = 0                  # 0: until the epochs end
     tensorboard: bool = True
@@ -206,12 +208,15 @@ def validate(cfg: Config) -> Config:
     need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
     need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")
     need(bool(cfg.target.devices), "target.devices: at least one device")
+    gpus = [d for d in cfg.train.devices if d != "cpu"]
+    need(len(set(gpus)) == len(gpus), "train.devices: each GPU once (one rank per GPU; \"cpu\" may repeat)")
     need(cfg.target.dtype in ("auto", "bf16", "fp32", "fp16"), "target.dtype: auto | bf16 | fp16 | fp32")
     need(cfg.drafter.block_size >= 2, "drafter.block_size: at least 2")
     need(cfg.drafter.num_layers >= 1, "drafter.num_layers: at least 1")
     need(cfg.drafter.max_anchors >= 1, "drafter.max_anchors: at least 1")
     for t in cfg.drafter.layer_types:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
+    need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex"), "drafter.attn: auto | split | sdpa | flex")
     need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,

@@ -54,6 +54,20 @@ def process_start_time(pid: int) -> int | None:
     return None if stat is None else stat[1]
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (the kernel's clock, so interpreter start-up and imports
+    count too); None without /proc."""
+    stat = _read_stat(os.getpid())
+    try:
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if stat is None:
+        return None
+    return max(0.0, uptime - stat[1] / os.sysconf("SC_CLK_TCK"))
+
+
 def pid_alive(pid: int, start_time: int) -> bool:
     """True if `pid` runs and is the same process (same start time); zombies count as dead."""
     stat = _read_stat(pid)

@@ -78,7 +78,14 @@ class RingFeed:
     # ---- training-thread API -----------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Welcome:
         """Connect and wait for the first WELCOME (the target may still be loading: keep waiting)."""
+        self.launch()
+        return self.wait_welcome(timeout)
+
+    def launch(self) -> None:
+        """Start connecting in the I/O thread; the caller may do other set-up until wait_welcome."""
         self._thread.start()
+
+    def wait_welcome(self, timeout: float | None = None) -> Welcome:
         if not self.welcomed.wait(timeout):
             raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
                                f"within {timeout}s ({self.error or 'no answer'})")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import Service, ctl, inspect_run, load, wait_for, write_config
+from e2e import CACHE, DEMO, Service, ctl, inspect_run, load, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -80,7 +80,10 @@ def test_trainer_killed_repeatedly_still_trains_every_sample_exactly_once(tmp_pa
 
 
 def test_graceful_shutdown_then_restart_with_new_learning_rate_keeps_exactly_once(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
+    # A model folder (not a builtin spec): the trainer builds its drafter while it connects.
+    from target_server.tiny import resolve_target
+    folder = resolve_target("builtin:tiny-qwen3.5", str(CACHE), tokenizer_dir=str(DEMO / "tokenizer"))
+    config = write_config(tmp_path, target={"model": folder})
     cfg = load(config)
     ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
     target = Service("target-server", config, tmp_path)
@@ -98,6 +101,11 @@ def test_graceful_shutdown_then_restart_with_new_learning_rate_keeps_exactly_onc
         tr2 = Service("trainer", config, tmp_path, overrides=["train.lr=0.0005"])
         services.append(tr2)
         wait_for(lambda: _trained_at_least(ep_trainer, after_stop["batches"] + 2), 180, "restarted trainer stepping")
+        startup = ctl(ep_trainer, "status")["startup"]
+        assert {"process_to_setup_s", "welcome_s", "build_s", "head_s", "first_step_s",
+                "process_to_first_step_s"} <= set(startup), startup
+        assert startup["process_to_first_step_s"] >= startup["first_step_s"] > 0
+        assert "rebuilding the drafter" not in tr2.log(tail=10_000)
         tr2.signal(signal.SIGTERM)  # SIGTERM: finish the step, checkpoint, exit 0
         assert tr2.wait(60) == 0, tr2.log()
 

@@ -1,0 +1,96 @@
+"""The trainer's start-up shortcuts: the drafter is built from the shared config while the feed
+connects (kept only when the server's WELCOME names the same target), and the mask token is read
+from the tokenizer's JSON files instead of importing transformers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import Config, validate
+from common.liveness import process_age_s
+from drafter_trainer.train import MASK_TOKENS, added_token_ids, expected_target, mask_token_id, same_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(model: str, layer_ids: list[int] | None = None) -> Config:
+    cfg = Config()
+    cfg.data.train_path = "unused.jsonl"
+    cfg.target.model = model
+    if layer_ids is not None:
+        cfg.target.layer_ids = layer_ids
+    return validate(cfg)
+
+
+@pytest.mark.parametrize("folder", ["tokenizer", "target"])
+def test_added_token_ids_agree_with_the_tokenizer(folder: str, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from target_server.tiny import build_tiny_target
+
+    path = str(REPO / "configs" / "demo" / "tokenizer")
+    if folder == "target":   # a model folder with the tokenizer saved next to the weights
+        path = build_tiny_target(str(tmp_path / "t"), num_layers=4, tokenizer_dir=path)
+    tok = AutoTokenizer.from_pretrained(path)
+    found = added_token_ids(path)
+    assert found, "the tokenizer folders all have added tokens"
+    for content, tid in found.items():
+        assert tok.convert_tokens_to_ids(content) == tid, content
+    mask = next(t for t in MASK_TOKENS if t in found)
+    cfg = _cfg(path)
+    cfg.drafter.mask_token_id = -1
+    assert mask_token_id(cfg, path) == tok.convert_tokens_to_ids(mask)
+
+
+def test_added_token_ids_of_a_folder_without_tokenizer_files_is_empty(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
+    assert added_token_ids(str(tmp_path)) == {}
+
+
+@pytest.mark.parametrize("layer_ids", [None, [1, 3, 5]])
+def test_expected_target_is_what_the_server_loads(layer_ids: list[int] | None, tiny_dirs: dict[str, str]) -> None:
+    from target_server.target import TargetRunner
+
+    path = tiny_dirs["qwen3.5"]
+    cfg = _cfg(path, layer_ids)
+    runner = TargetRunner.load(path, device="cpu", layer_ids=cfg.target.layer_ids or None,
+                               num_capture_layers=cfg.target.num_capture_layers)
+    guess = expected_target(cfg)
+    announced = {"model_path": runner.model_path, "layer_ids": list(runner.layer_ids)}
+    assert guess is not None and guess["layer_ids"] == announced["layer_ids"]
+    assert same_target(guess, announced)
+
+
+def test_same_target_follows_links_and_refuses_other_layers(tmp_path: Path, tiny_dirs: dict[str, str]) -> None:
+    path = tiny_dirs["qwen3.5"]
+    link = tmp_path / "target-link"
+    os.symlink(path, link)
+    guess = expected_target(_cfg(str(link)))
+    assert guess is not None
+    assert same_target(guess, {"model_path": path, "layer_ids": guess["layer_ids"]})
+    assert not same_target(guess, {"model_path": path, "layer_ids": guess["layer_ids"][:-1]})
+    assert not same_target(guess, {"model_path": str(tmp_path), "layer_ids": guess["layer_ids"]})
+    assert not same_target(guess, {"layer_ids": guess["layer_ids"]})
+    assert not same_target(None, {"model_path": path, "layer_ids": guess["layer_ids"]})
+
+
+def test_no_expected_target_for_a_builtin_spec_or_a_missing_folder(tmp_path: Path) -> None:
+    assert expected_target(_cfg("builtin:tiny-qwen3.5")) is None
+    assert expected_target(_cfg(str(tmp_path / "absent"))) is None
+
+
+def test_process_age_counts_from_the_process_start() -> None:
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from common.liveness import "
+                          "process_age_s; print(process_age_s())"], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = float(out.stdout)
+    assert 0.3 <= child < 30.0
+    a = process_age_s()
+    time.sleep(0.05)
+    b = process_age_s()
+    assert a is not None and b is not None and b > a
