@@ -120,7 +120,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    runner = TargetRunner.load(resolve_target(a.target, a.cache_dir), device=a.device, dtype=a.dtype)
+    runner = TargetRunner.load(resolve_target(a.target, a.cache_dir), device=a.device, dtype=a.dtype
+                               ).fix_linear_shape(a.token_budget)   # as the server runs it
     lens = lognormal_lengths(a.docs, a.median, a.sigma, a.max_len, a.seed)
     g = torch.Generator().manual_seed(a.seed)
     docs = [torch.randint(0, runner.vocab_size, (n,), generator=g) for n in lens]

@@ -122,6 +122,9 @@ class TargetRunner:
         self.vocab_size = int(text.vocab_size)
         self._is_linear = _check_layers(model.layers, text.model_type)
         self._plane_of = {layer: i for i, layer in enumerate(self.layer_ids)}
+        # Gated DeltaNet kernels run on at least this many tokens (a padding document fills the
+        # rest; varlen.PackedDocs.padded): one tuned kernel shape for every packed row. 0: off.
+        self.fixed_tokens = 0
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "auto", layer_ids: list[int] | None = None,
@@ -171,6 +174,13 @@ class TargetRunner:
                  path, keep, num_layers, ids, torch_dtype, dev, backend)
         return runner
 
+    def fix_linear_shape(self, num_tokens: int) -> "TargetRunner":
+        """Run the FLA kernels on `num_tokens` tokens per row (the token budget): no re-tuning per
+        row length. The torch path loops over documents and gains nothing, so it is left alone."""
+        if self.linear_backend == "fla":
+            self.fixed_tokens = num_tokens
+        return self
+
     def _check_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       doc_lens: torch.Tensor) -> None:
         """Refuse a batch that would crash the forward (on CUDA: a device assert) or mix documents."""
@@ -199,12 +209,12 @@ class TargetRunner:
             raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, expected {self.dtype} {want}")
 
     def _decoder_layer(self, i: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                       docs: varlen.PackedDocs) -> torch.Tensor:
+                       docs: varlen.PackedDocs, linear_docs: varlen.PackedDocs) -> torch.Tensor:
         """HF's pre-norm residual block with the document-aware token mixer in the middle."""
         layer = self.model.layers[i]
         mixed = layer.input_layernorm(hidden)
         if self._is_linear[i]:
-            mixed = varlen.gated_deltanet_forward(layer.linear_attn, mixed, docs, backend=self.linear_backend)
+            mixed = varlen.gated_deltanet_forward(layer.linear_attn, mixed, linear_docs, backend=self.linear_backend)
         else:
             mixed, _ = layer.self_attn(hidden_states=mixed, position_embeddings=rope, attention_mask=None,
                                        **{varlen.DOCS_KWARG: docs})
@@ -231,6 +241,7 @@ class TargetRunner:
         # Triton (FLA) launches on the *current* device: make it ours when one process drives several GPUs.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             docs = varlen.PackedDocs.from_doc_lens(doc_lens, self.device)
+            linear_docs = docs.padded(self.fixed_tokens)
             ids = input_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
             pos = position_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
             hidden = self.model.embed_tokens(ids)
@@ -239,7 +250,7 @@ class TargetRunner:
             rope_pos = pos[None].expand(3, -1, -1) if hasattr(self.model.rotary_emb, "mrope_section") else pos
             rope = self.model.rotary_emb(hidden, rope_pos)
             for i in range(self.layer_ids[-1] + 1):
-                hidden = self._decoder_layer(i, hidden, rope, docs)
+                hidden = self._decoder_layer(i, hidden, rope, docs, linear_docs)
                 plane = self._plane_of.get(i)
                 if plane is not None:
                     out[plane].copy_(hidden[0], non_blocking=non_blocking)

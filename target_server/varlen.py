@@ -72,6 +72,25 @@ class PackedDocs:
                    doc_pos=document_positions(doc_lens.cpu()).to(device))
 
 
+    def padded(self, num_tokens: int) -> "PackedDocs":
+        """These documents plus one padding document up to `num_tokens` (unchanged if already there).
+
+        FLA's Triton kernels key their autotuning (and some their compilation) on the token count:
+        a packed row of a new length re-tunes them, which at 16K-token rows made a real run ~5x
+        slower than the same batches once tuned (H200, docs/benchmarks.md). Running the Gated
+        DeltaNet kernels on one fixed length keeps a single tuned shape.
+        """
+        t = self.num_tokens
+        if num_tokens <= t:
+            return self
+        pad = num_tokens - t
+        device = self.cu_seqlens.device
+        return PackedDocs(bounds=(*self.bounds, (t, num_tokens)),
+                          cu_seqlens=torch.cat([self.cu_seqlens,
+                                                torch.tensor([num_tokens], dtype=torch.int64, device=device)]),
+                          doc_pos=torch.cat([self.doc_pos, torch.arange(pad, dtype=torch.int64, device=device)]))
+
+
 def _import_first(candidates: tuple[str, ...], name: str) -> Callable[..., Any]:
     for module in candidates:
         try:
@@ -178,13 +197,20 @@ def gated_deltanet_forward(gdn: torch.nn.Module, hidden: torch.Tensor, docs: Pac
 
     hidden [1, T, H] (after the layer's input norm) -> [1, T, H]. Reads the HF module's weights
     (in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, norm, out_proj); the arithmetic follows
-    transformers' Qwen3_5GatedDeltaNet.forward without a cache.
+    transformers' Qwen3_5GatedDeltaNet.forward without a cache. `docs` may end with a padding
+    document beyond T (PackedDocs.padded): the conv, delta rule and gated norm then run on that
+    fixed length with zero rows appended after the projections, and only the T real rows go on.
     """
-    _, t, _ = hidden.shape
+    _, real_t, _ = hidden.shape
+    t = docs.num_tokens
+    if t < real_t:
+        raise ValueError(f"docs cover {t} tokens, hidden has {real_t}")
     mixed = gdn.in_proj_qkv(hidden)[0]                                    # [T, 2*key_dim + value_dim]
     z = gdn.in_proj_z(hidden)
     b = gdn.in_proj_b(hidden)
     a = gdn.in_proj_a(hidden)
+    if t > real_t:   # rows of the padding document: zeros, their own document, dropped below
+        mixed, z, b, a = (F.pad(x, (0, 0, 0, t - real_t)) for x in (mixed, z, b, a))
     mixed = causal_conv1d(mixed, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, docs,
                           activation=gdn.activation, backend=backend)
     q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
@@ -201,7 +227,7 @@ def gated_deltanet_forward(gdn: torch.nn.Module, hidden: torch.Tensor, docs: Pac
         k = k.repeat_interleave(groups, dim=2)
     core = gated_delta_rule(q, k, v, g, beta, docs, backend=backend)
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(core.reshape(1, t, -1))
+    return gdn.out_proj(core.reshape(1, t, -1)[:, :real_t])
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

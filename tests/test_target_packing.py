@@ -64,6 +64,35 @@ def test_packed_capture_equals_one_hf_forward_per_document(arch: str, hf_models:
         start += len(doc)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fixed_linear_token_count_changes_no_captured_value(arch: str, runners: dict[str, TargetRunner]) -> None:
+    # the padding document the Gated DeltaNet kernels see must not reach any real token
+    runner = runners[arch]
+    _, ids, pos, lens = _packed(DOC_LENS, seed=3)
+    plain = runner.capture(ids, pos, lens)
+    assert runner.fix_linear_shape(ids.numel() + 37).fixed_tokens == 0, "the torch path needs no fixed shape"
+    try:
+        runner.fixed_tokens = ids.numel() + 37
+        padded = runner.capture(ids, pos, lens)
+        runner.fixed_tokens = ids.numel() - 5   # shorter than the row: no padding, same result
+        shorter = runner.capture(ids, pos, lens)
+    finally:
+        runner.fixed_tokens = 0
+    # fp32: only the summation order of kernels sized by the longer row may differ
+    torch.testing.assert_close(padded, plain, atol=1e-6, rtol=1e-5)
+    assert torch.equal(shorter, plain)
+
+
+def test_padded_docs_add_one_document_and_refuse_too_few_tokens() -> None:
+    docs = varlen.PackedDocs.from_doc_lens(torch.tensor([3, 2]), "cpu")
+    padded = docs.padded(8)
+    assert padded.bounds == ((0, 3), (3, 5), (5, 8)) and padded.cu_seqlens.tolist() == [0, 3, 5, 8]
+    assert padded.doc_pos.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert docs.padded(5) is docs and docs.padded(2) is docs
+    with pytest.raises(ValueError, match="docs cover 5 tokens"):
+        varlen.gated_deltanet_forward(torch.nn.Module(), torch.zeros(1, 6, 4), docs)
+
+
 def test_hf_packed_forward_leaks_across_documents_on_the_hybrid_target(hf_models: dict[str, torch.nn.Module],
                                                                        runners: dict[str, TargetRunner]) -> None:
     """The reason this module exists: stock transformers mixes packed documents in GDN layers."""
@@ -202,6 +231,16 @@ def test_fla_target_forward_matches_the_torch_path_on_gpu(real_fla: None, tiny_d
     ref = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="torch")
     _, ids, pos, lens = _packed(DOC_LENS, seed=4)
     assert _rel_err(fla.capture(ids, pos, lens), ref.capture(ids, pos, lens)) < 5e-2
+
+
+@cuda_only
+def test_fla_with_a_fixed_token_count_matches_the_row_length_on_gpu(real_fla: None,
+                                                                     tiny_dirs: dict[str, str]) -> None:
+    runner = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="fla")
+    _, ids, pos, lens = _packed(DOC_LENS, seed=6)
+    plain = runner.capture(ids, pos, lens)
+    assert runner.fix_linear_shape(512).fixed_tokens == 512
+    assert _rel_err(runner.capture(ids, pos, lens), plain) < 1e-2
 
 
 @cuda_only
