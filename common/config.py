@@ -33,7 +33,7 @@ class RingConfig:
 @dataclass
 class DataConfig:
     train_path: str = ""                # a prepared shard folder, or a chat .jsonl prepared on start
-    heldout_path: str = ""              # optional prepared folder for eval during training
+    heldout_path: str = ""              # held-out data (folder or chat .jsonl) for eval during training
     seed: int = 0
     token_budget: int = 4096            # tokens per packed batch (one fixed shape)
     max_len: int = 3072                 # longest sample kept as one document
@@ -87,8 +87,8 @@ class TrainConfig:
     checkpoint_every: int = 200         # steps
     keep_checkpoints: int = 3
     max_bad_steps: int = 8              # consecutive non-finite steps before checkpoint-and-stop
-    eval_every: int = 0                 # steps; 0: off
-    eval_batches: int = 4
+    eval_every: int = 0                 # steps between held-out evals; 0: off (needs data.heldout_path)
+    eval_batches: int = 4               # held-out packed batches the target server serves per session
     log_every: int = 10
     seed: int = 0
     device: str = "auto"                # auto: cuda:<local_rank> if CUDA, else cpu
@@ -227,6 +227,13 @@ def validate(cfg: Config) -> Config:
     need(len(cfg.train.betas) == 2, "train.betas: two numbers")
     need(cfg.train.checkpoint_every >= 1, "train.checkpoint_every: at least 1 step")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: at least 1")
+    need(cfg.train.eval_every >= 0, "train.eval_every: 0 (off) or a positive number of steps")
+    need(cfg.train.eval_batches >= 1, "train.eval_batches: at least 1")
+    need(cfg.train.eval_every == 0 or bool(cfg.data.heldout_path),
+         f"train.eval_every ({cfg.train.eval_every}) needs data.heldout_path: held-out batches come from "
+         "the target server (set data.heldout_path, or train.eval_every: 0)")
+    need(not cfg.data.heldout_path or cfg.resolve(cfg.data.heldout_path) != cfg.resolve(cfg.data.train_path),
+         "data.heldout_path: must not be data.train_path (held-out rows are never training rows)")
     need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
     return cfg
 

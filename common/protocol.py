@@ -12,9 +12,9 @@ receiver logs, counts (by `ProtocolError.code`) and drops.
 
 Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one-shot client):
 
-    R -> S   hello      rid, job, rank, world, pid, start_time, have, epochs, credit
-    S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[]
-    S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch
+    R -> S   hello      rid, job, rank, world, pid, start_time, have, epochs, credit, heldout
+    S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches
+    S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch, heldout
     R -> S   ack        consumer_epoch, worker, slot, pub_seq, seq
     S -> R   epoch_end  consumer_epoch, epoch
     R0 -> S  commit     rid, consumer_epoch, have, step
@@ -25,6 +25,11 @@ Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one
 Requests carry a `rid` (from `next_rid()`); the answer repeats it, so a client matches replies
 and ignores stale ones. ZeroMQ is only the doorbell: the shared-memory slot headers are the truth,
 so a lost ANNOUNCE or ACK costs latency (both sides re-scan on a timer), never data.
+
+Held-out batches (eval during training) travel like training batches but are never trained on:
+rank 0 sets `hello.heldout`, the WELCOME says how many exist, and each one arrives as an ANNOUNCE
+with `heldout` set, whose `seq` is the held-out index in [0, heldout_batches) (epoch 0), not a batch
+seq; the rank acks it like any other slot.
 
 Checks that need the receiver's state (is this worker known, is this slot inside that worker's
 ring, does this seq belong to that epoch) are the functions at the end of this module; the
@@ -46,7 +51,7 @@ import msgpack
 
 from common.seqset import SeqSet
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
 MAX_MESSAGE_BYTES = 1 << 20      # default frame limit (ServiceConfig.max_message_bytes)
 INT64_MAX = (1 << 63) - 1
 
@@ -65,6 +70,7 @@ MAX_KEY_LEN = 64
 MAX_JOB_LEN = 128
 MAX_READY = 1 << 16              # seqs in WELCOME.ready (<= workers * slots)
 MAX_EPOCHS = 1 << 12
+MAX_HELDOUT = 1 << 12            # held-out batches per session
 MAX_TARGET_ENTRIES = 64
 MAX_TARGET_LIST = 4096
 MAX_ARGS = 32
@@ -448,7 +454,8 @@ class Hello(Message):
     """Trainer rank -> server: start (or resume) a session. `job` names the trainer process group
     (the same on every rank, new on every restart), so the server tells a late rank of the running
     session from a new trainer; `have` = batch seqs already in the trainer's model state; `credit`
-    = how many slots this rank may hold un-acked."""
+    = how many slots this rank may hold un-acked; `heldout` = send this rank the held-out batches
+    (rank 0 only, once per session)."""
 
     rid: int = wire(RID)
     job: str = wire(StrCodec(MAX_JOB_LEN, non_empty=True))
@@ -459,16 +466,21 @@ class Hello(Message):
     have: SeqSet = wire(HAVE)
     epochs: int = wire(IntCodec(1, MAX_EPOCHS))
     credit: int = wire(IntCodec(1, MAX_CREDIT))
+    heldout: bool = wire(BoolCodec())
 
     def _check_fields(self) -> None:
         if self.rank >= self.world:
             raise _field_error("hello.rank", f"must be < world ({self.world})", self.rank)
+        if self.heldout and self.rank != 0:
+            raise _field_error("hello.heldout", f"only rank 0 asks for held-out batches (rank {self.rank})",
+                               self.heldout)
 
 
 @message("welcome")
 class Welcome(Message):
     """Server -> rank: the session's consumer epoch, the rings to attach, the target's shape,
-    the batch count of every epoch, and the batch seqs READY in slots right now (a snapshot)."""
+    the batch count of every epoch, the batch seqs READY in slots right now (a snapshot), and how
+    many held-out batches the server has (0: none; a rank that asked gets each one once)."""
 
     rid: int = wire(RID)
     consumer_epoch: int = wire(EPOCH)
@@ -477,6 +489,7 @@ class Welcome(Message):
         FlatDictCodec(("int", "float", "str", "int_list"), MAX_TARGET_ENTRIES, MAX_PATH_LEN, MAX_TARGET_LIST))
     epoch_sizes: list[int] = wire(ListCodec(UINT, MAX_EPOCHS))
     ready: list[int] = wire(ListCodec(SEQ, MAX_READY))
+    heldout_batches: int = wire(IntCodec(0, MAX_HELDOUT))
 
     def _check_fields(self) -> None:
         workers = [r.worker for r in self.rings]
@@ -490,7 +503,9 @@ class Welcome(Message):
 
 @message("announce")
 class Announce(Message):
-    """Server -> rank: batch `seq` of `epoch` is READY in (worker, slot) as publication `pub_seq`."""
+    """Server -> rank: batch `seq` of `epoch` is READY in (worker, slot) as publication `pub_seq`.
+
+    heldout: the slot holds held-out batch number `seq` (epoch 0): evaluate it, never train on it."""
 
     consumer_epoch: int = wire(EPOCH)
     worker: int = wire(WORKER)
@@ -498,6 +513,13 @@ class Announce(Message):
     pub_seq: int = wire(SEQ)
     seq: int = wire(SEQ)
     epoch: int = wire(EPOCH)
+    heldout: bool = wire(BoolCodec())
+
+    def _check_fields(self) -> None:
+        if self.heldout and self.seq >= MAX_HELDOUT:
+            raise _field_error("announce.seq", f"a held-out index must be < {MAX_HELDOUT}", self.seq)
+        if self.heldout and self.epoch != 0:
+            raise _field_error("announce.epoch", "must be 0 for a held-out batch", self.epoch)
 
 
 @message("epoch_end")
@@ -511,7 +533,7 @@ class EpochEnd(Message):
 @message("ack")
 class Ack(Message):
     """Rank -> server: the slot's data is on the rank's device (the ring's ack word is already
-    written; this message only wakes the producer sooner)."""
+    written; this message only wakes the producer sooner). `seq` repeats the announcement's."""
 
     consumer_epoch: int = wire(EPOCH)
     worker: int = wire(WORKER)
@@ -694,6 +716,11 @@ def check_announce(msg: Announce, welcome: Welcome) -> None:
     """Everything a rank can check about an ANNOUNCE against its WELCOME (the consumer-epoch
     comparison is not here: an old epoch is stale, not malformed, and is counted separately)."""
     check_ring_ref(msg, welcome.slot_counts())
+    if msg.heldout:
+        if msg.seq >= welcome.heldout_batches:
+            raise ProtocolError("context", f"announce: held-out batch {msg.seq} outside the "
+                                           f"{welcome.heldout_batches} held-out batches of this session")
+        return
     start, stop = epoch_range(welcome.epoch_sizes, msg.epoch)
     if not start <= msg.seq < stop:
         raise ProtocolError("context", f"announce: seq {msg.seq} is not in epoch {msg.epoch} "

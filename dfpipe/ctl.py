@@ -67,6 +67,9 @@ def summary_line(target: dict | None, trainer: dict | None) -> str:
         r = (f"trainer[{trainer.get('state')}] step {trainer.get('step')} epoch {trainer.get('epoch')} "
              f"samples {trainer.get('samples_trained')}/{trainer.get('epoch_samples')} "
              f"loss {loss if loss is None else round(loss, 4)} tok/s {trainer.get('tokens_per_s')}")
+        ev = trainer.get("eval")
+        if ev:
+            r += f" eval tau {round(ev['tau'], 3)} (step {ev['step']})"
     return f"{t} | {r}"
 
 

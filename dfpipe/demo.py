@@ -51,21 +51,31 @@ def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
 def plot_metrics(metrics_path: str, png_path: str) -> bool:
     rows = [json.loads(line) for line in open(metrics_path, encoding="utf-8") if line.strip()] \
         if os.path.exists(metrics_path) else []
-    if not rows:
+    train = [r for r in rows if "loss" in r]          # training steps; held-out evals carry eval_* keys
+    evals = [r for r in rows if "eval_tau" in r]
+    if not train:
         return False
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.plot(steps, [r["loss"] for r in rows], color="tab:blue")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("DFlash loss")
-    ax1.set_title("loss")
-    ax2.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("tokens / s")
-    ax2.set_title("trainer throughput")
+    steps = [r["step"] for r in train]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.6))
+    ax1.plot(steps, [r["loss"] for r in train], color="tab:blue", label="training batch")
+    ax2.plot(steps, [r["tau"] for r in train], color="tab:blue", label="training batch")
+    if evals:
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="tab:orange",
+                 label="held-out")
+        ax2.plot([r["step"] for r in evals], [r["eval_tau"] for r in evals], "o-", color="tab:orange",
+                 label="held-out")
+    for ax, ylabel, title in ((ax1, "DFlash loss", "loss"), (ax2, "tokens per block", "implied acceptance length")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    ax3.plot(steps, [r["tokens_per_s"] for r in train], color="tab:green")
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("tokens / s")
+    ax3.set_title("trainer throughput")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
@@ -150,6 +160,10 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, keep
     print(f"trainer              step {ts.get('step')}, loss {ts.get('loss')}, {ts.get('tokens_per_s')} tok/s")
     print(f"implied acceptance   {ts.get('implied_acceptance_length')} tokens per block "
           f"(random-weight target: a pipeline check, not a quality figure)")
+    ev = ts.get("eval")
+    if ev:
+        print(f"held-out eval        step {ev['step']}: tau {ev['tau']:.3f}, loss {ev['loss']:.4f} "
+              f"on {ev['batches']} held-out batches")
     if final_target:
         b = final_target.get("batches", {})
         print(f"target               {b.get('produced')} batches, {final_target.get('tokens')} tokens, "

@@ -41,6 +41,13 @@ def anchor_seed(seed: int, epoch: int, seq: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def heldout_anchor_seed(seed: int, index: int) -> int:
+    """Deterministic 63-bit seed for the anchors of held-out batch `index`: the same at every
+    eval (no epoch in it), so evals at different steps score the drafter on the same blocks."""
+    digest = hashlib.blake2b(f"dfpipe-heldout-anchors:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def document_ids(doc_lens: torch.Tensor) -> torch.Tensor:
     """[T] index of the document each token belongs to (int64)."""
     lens = doc_lens.to(torch.int64)

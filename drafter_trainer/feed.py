@@ -13,6 +13,11 @@ over, every acked batch already sits in some rank's queue. `have()` is the set o
 effect is (or will be, once queued batches are trained) in this rank's model: the checkpoint's
 set plus everything acked since. After FENCED (the server declared this session over) the
 queued, untrained batches are dropped and forgotten: the next session re-delivers them.
+
+Held-out batches (rank 0, when `train.eval_every` > 0): an ANNOUNCE with `heldout` set is copied
+out the same way and acked at once, but the batch goes into `heldout_batches()` (by held-out
+index, on the device), never into the training queue and never into `have()`. Every session
+delivers them again; a repeat replaces the copy with the same index.
 """
 from __future__ import annotations
 
@@ -47,9 +52,13 @@ class RingFeed:
     """Batches for one trainer rank, in the order the target server announced them."""
 
     def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
-                 epochs: int, credit: int = 2, depth: int = 2) -> None:
+                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None) -> None:
+        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0)."""
         self.cfg = cfg
         self.rank, self.world, self.job = rank, world, job
+        self.wants_heldout = (rank == 0 and cfg.train.eval_every > 0) if heldout is None else heldout
+        self._heldout: dict[int, PackedBatch] = {}   # held-out index -> batch on the device
+        self.heldout_expected = 0                    # Welcome.heldout_batches of the current server
         self.device = device
         self.epochs = epochs
         self.credit = credit
@@ -68,7 +77,7 @@ class RingFeed:
         self._superseded_epoch = -1
         self.rings: dict[int, ConsumerRing] = {}
         self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
-                         "reconnects": 0}
+                         "reconnects": 0, "heldout": 0}
         self.error: str = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-rank{rank}", daemon=True)
@@ -100,6 +109,11 @@ class RingFeed:
     def have(self) -> SeqSet:
         with self._lock:
             return SeqSet.union_of(self._base_have, self._acked)
+
+    def heldout_batches(self) -> list[PackedBatch]:
+        """The held-out batches received so far, by index (the server sends `heldout_expected`)."""
+        with self._lock:
+            return [self._heldout[i] for i in sorted(self._heldout)]
 
     def commit(self, have: SeqSet, step: int) -> None:
         """Tell the server what the checkpoint just written holds (status; HELLO carries the truth)."""
@@ -153,7 +167,7 @@ class RingFeed:
             self._superseded_epoch = self.consumer_epoch
         chan.send(Hello(rid=next_rid(), job=self.job, rank=self.rank, world=self.world, pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
-                        epochs=self.epochs, credit=self.credit))
+                        epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout))
 
     def _on_message(self, chan: DealerChannel, msg) -> None:
         if isinstance(msg, Welcome):
@@ -165,7 +179,10 @@ class RingFeed:
             if key in self._seen_pubs:
                 return  # re-announced after a lost ack message: already handled or queued
             self._seen_pubs.add(key)
-            self._pending.append(msg)
+            if msg.heldout:
+                self._take_heldout(chan, msg)  # at once: never queued behind training batches
+            else:
+                self._pending.append(msg)
         elif isinstance(msg, EpochEnd):
             if msg.consumer_epoch == self.consumer_epoch:
                 self._pending.append(EpochEndMarker(msg.epoch))
@@ -203,6 +220,10 @@ class RingFeed:
                 self.rings[ri.worker] = ConsumerRing.attach(ri.path, cuda_register=self.cfg.ring.cuda_register)
         self.consumer_epoch = msg.consumer_epoch
         self._pending.clear()
+        with self._lock:  # the new server may serve fewer held-out batches than the old one
+            self.heldout_expected = msg.heldout_batches if self.wants_heldout else 0
+            for i in [i for i in self._heldout if i >= self.heldout_expected]:
+                del self._heldout[i]
         # Repeats are only repeats within a session: a new session re-announces READY slots
         # (same pub_seq) that this rank saw but never acked under the old epoch.
         self._seen_pubs.clear()
@@ -242,14 +263,16 @@ class RingFeed:
                 continue
             self._take(chan, item)
 
-    def _take(self, chan: DealerChannel, a: Announce) -> None:
+    def _read(self, a: Announce) -> PackedBatch | None:
+        """The announced slot's batch, copied to the device; None (counted, logged) when unusable."""
+        what = f"held-out batch {a.seq}" if a.heldout else f"seq {a.seq}"
         ring = self.rings.get(a.worker)
         if ring is None:
             log.warning("rank %d: announce for unknown worker %d dropped", self.rank, a.worker)
-            return
+            return None
         if a.slot < 0 or a.slot >= ring.slot_count:
             log.warning("rank %d: announce for slot %d outside ring of %d dropped", self.rank, a.slot, ring.slot_count)
-            return
+            return None
         try:
             view = ring.read(a.slot, a.pub_seq)
             batch = self._copy_out(view, a)
@@ -257,12 +280,22 @@ class RingFeed:
                 raise StaleSlot(f"slot {a.slot} changed while it was copied")
         except StaleSlot as e:
             self.counters["stale_slots"] += 1
-            log.warning("rank %d: seq %d not taken: %s", self.rank, a.seq, e)
-            return
+            log.warning("rank %d: %s not taken: %s", self.rank, what, e)
+            return None
         except (BatchError, RingError, KeyError, ValueError) as e:
             # A malformed slot is not acked: the server's audit/log sees it stay READY.
             self.counters["bad_batches"] += 1
-            log.error("rank %d: slot %d (seq %d) unusable, not acked: %s", self.rank, a.slot, a.seq, e)
+            log.error("rank %d: slot %d (%s) unusable, not acked: %s", self.rank, a.slot, what, e)
+            return None
+        return batch
+
+    def _ack(self, chan: DealerChannel, a: Announce) -> None:
+        self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+
+    def _take(self, chan: DealerChannel, a: Announce) -> None:
+        batch = self._read(a)
+        if batch is None:
             return
         duplicate = a.seq in self.have()
         if duplicate:
@@ -272,14 +305,32 @@ class RingFeed:
             self._out.put(batch)
             with self._lock:
                 self._acked.add(a.seq)
-        ring.ack(a.slot, a.pub_seq, a.consumer_epoch)
-        chan.send(Ack(consumer_epoch=a.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+        self._ack(chan, a)
         self.counters["batches"] += 1
+
+    def _take_heldout(self, chan: DealerChannel, a: Announce) -> None:
+        """A held-out batch: kept for evaluation (not for training), acked at once."""
+        if not self.wants_heldout or a.seq >= self.heldout_expected:
+            # not ours to keep (the server should not send it), but never leave a slot hanging
+            log.warning("rank %d: unexpected held-out batch %d (expected %d); acked and dropped", self.rank,
+                        a.seq, self.heldout_expected)
+            if a.worker in self.rings and 0 <= a.slot < self.rings[a.worker].slot_count:
+                self._ack(chan, a)
+            return
+        batch = self._read(a)
+        if batch is None:
+            return
+        with self._lock:
+            self._heldout[a.seq] = batch
+        self._ack(chan, a)
+        self.counters["heldout"] += 1
 
     def _copy_out(self, view, a: Announce) -> PackedBatch:
         meta = view.meta
         if int(meta.get("seq", -1)) != a.seq:
             raise ValueError(f"slot holds seq {meta.get('seq')}, announced {a.seq}")
+        if bool(meta.get("heldout", False)) != a.heldout:
+            raise ValueError(f"slot heldout={meta.get('heldout')}, announced heldout={a.heldout}")
         t = view.tensors
         if self._copy_stream is None:
             moved = {k: t[k].clone() for k in ("hidden", "input_ids", "loss_mask", "position_ids", "doc_lens",

@@ -16,6 +16,11 @@ A checkpoint stores that set (`have`) and the sample ids per epoch; a restarted 
 `have` in HELLO and the target server delivers every other seq. The learning-rate schedule is a
 function of progress (batches held / batches planned), so it survives restarts and a change in
 the number of ranks.
+
+Held-out eval. With `train.eval_every` > 0, rank 0's feed also receives the target server's
+held-out batches (never trained on, never counted in `trained`); every `eval_every` steps rank 0
+runs the drafter over them in eval mode with fixed anchors and reports the implied acceptance
+length (`evaluate`). It uses no collective, so the other ranks just wait at the next all-reduce.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from common.liveness import process_age_s
 from common.metrics import StageTimes, start_metrics_server
 from common.seqset import SeqSet
 
-from .blocks import anchor_seed, build_blocks, sample_anchors
+from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
 from .checkpoint import latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
 from .control import TrainerControl, TrainerFlags
 from .export import export_drafter
@@ -243,6 +248,7 @@ class Trainer:
         self.writer = None
         self.metrics_file = None
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
+        self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
 
     # status is read by the control thread: only plain values
     def status(self) -> dict[str, Any]:
@@ -259,7 +265,8 @@ class Trainer:
                 "acceptance_per_position": [round(a, 4) for a in self.acc_per_pos],
                 "feed": {"state": feed.state, **feed.counters} if feed else None,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
-                "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()}}
+                "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
+                "eval": self.last_eval}
 
     def _samples_by_epoch(self) -> dict[int, np.ndarray]:
         return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in self.trained_samples.items()}
@@ -393,6 +400,12 @@ class Trainer:
             return item
         return None
 
+    def _blocks(self, batch, seed: int):
+        """Anchors drawn with `seed` -> the batch's DFlash blocks (training and held-out eval alike)."""
+        gen = torch.Generator().manual_seed(seed)
+        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.cfg.drafter.max_anchors, gen)
+        return build_blocks(batch, anchors.to(self.device), self.cfg.drafter.block_size, self.mask_id, self.gamma)
+
     def _record(self, batch, out, lr: float, step_s: float) -> None:
         self.trained.add(batch.seq)
         self.trained_samples.setdefault(batch.epoch, []).append(batch.sample_ids.cpu().numpy().astype(np.int64))
@@ -456,10 +469,7 @@ class Trainer:
             out = None
             with self.stages.time("step"):
                 if batch is not None:
-                    gen = torch.Generator().manual_seed(anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
-                    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), cfg.drafter.max_anchors, gen)
-                    blocks = build_blocks(batch, anchors.to(self.device), cfg.drafter.block_size, self.mask_id,
-                                          self.gamma)
+                    blocks = self._blocks(batch, anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
                     local_w = blocks.weights.sum().detach().double().reshape(1)
                 else:
                     blocks, local_w = None, torch.zeros(1, dtype=torch.float64)
@@ -491,6 +501,8 @@ class Trainer:
                 self._first_step_done(time.perf_counter() - t0)
             if batch is not None:
                 self._record(batch, out, lr, time.perf_counter() - t0)
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:
+                self._eval_and_report()
 
             if self.bad_in_row >= cfg.train.max_bad_steps:
                 self.checkpoint("non-finite steps")
@@ -504,6 +516,59 @@ class Trainer:
                 return self._finish(self.flags.reason or "stop requested")
             if cfg.train.max_steps and self.step >= cfg.train.max_steps:
                 return self._finish("max_steps reached")
+
+    # ---- held-out eval ---------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any] | None:
+        """The drafter on the held-out batches: eval mode, no gradient, anchors fixed per held-out
+        index (every eval scores the same blocks), accuracy pooled over all of them; None until all
+        the server's held-out batches have arrived. Runs on one rank, without any collective."""
+        cfg, model = self.cfg, self.model
+        batches, expected = self.feed.heldout_batches(), self.feed.heldout_expected
+        if not expected or len(batches) < expected:
+            log.info("eval at step %d skipped: %d of %d held-out batches have arrived", self.step,
+                     len(batches), expected)
+            return None
+        b = cfg.drafter.block_size
+        correct = torch.zeros(b, dtype=torch.float64)
+        count = torch.zeros(b, dtype=torch.float64)
+        ce_sum = weight_sum = 0.0
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.stages.time("eval"):
+                for batch in batches:
+                    blocks = self._blocks(batch, heldout_anchor_seed(cfg.train.seed, batch.seq))
+                    with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                                        enabled=self.compute_dtype != torch.float32):
+                        out = dflash_loss(model, batch, blocks, cfg.drafter.loss_chunk)
+                    correct += out.correct_per_pos.detach().double().cpu()
+                    count += out.count_per_pos.detach().double().cpu()
+                    ce_sum += float(out.ce_sum)
+                    weight_sum += float(out.weight_sum)
+        finally:
+            model.train(was_training)
+        acc = (correct / count.clamp_min(1)).tolist()[1:]   # position 0 is the anchor itself (no loss)
+        return {"step": self.step, "tau": implied_acceptance_length(torch.tensor(acc)),
+                "acceptance_per_position": [round(a, 4) for a in acc],
+                "loss": ce_sum / weight_sum if weight_sum > 0 else float("nan"), "batches": len(batches)}
+
+    def _eval_and_report(self) -> None:
+        result = self.evaluate()
+        if result is None:
+            return
+        self.last_eval = result
+        log.info("eval step %d: tau %.3f loss %.4f on %d held-out batches", result["step"], result["tau"],
+                 result["loss"], result["batches"])
+        rec = {"step": self.step, "eval_tau": result["tau"], "eval_loss": result["loss"],
+               "eval_batches": result["batches"], "eval_acceptance_per_position": result["acceptance_per_position"],
+               "time": time.time()}
+        self.metrics_file.write(json.dumps(rec) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("eval/tau", result["tau"], self.step)
+            self.writer.add_scalar("eval/loss", result["loss"], self.step)
+        if getattr(self, "wandb", None) is not None:
+            self.wandb.log({"eval/tau": result["tau"], "eval/loss": result["loss"]}, step=self.step)
 
     def _first_step_done(self, step_s: float) -> None:
         self.startup["first_step_s"] = step_s

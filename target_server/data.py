@@ -478,29 +478,30 @@ class PreparedDataset:
         return self.input_ids[a:b], self.loss_mask[a:b], int(self.sample_ids[i])
 
 
-def _tokenizer_for(cfg: Config) -> str:
+def _tokenizer_for(cfg: Config, source: str = "train_path") -> str:
     """The tokenizer a chat file is prepared with: target.tokenizer, else the (local) target model folder."""
     if cfg.target.tokenizer:
         return cfg.resolve(cfg.target.tokenizer)
     model = cfg.resolve(cfg.target.model)
     if not model.startswith("builtin:") and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
         return model
-    raise DataError(f"data.train_path is a chat file but no tokenizer is known: set target.tokenizer "
+    raise DataError(f"data.{source} is a chat file but no tokenizer is known: set target.tokenizer "
                     f"(target.model {cfg.target.model!r} has no tokenizer folder)")
 
 
-def ensure_prepared(cfg: Config) -> PreparedDataset:
-    """The training set of `data.train_path`: a prepared folder as it is, or a chat .jsonl prepared
-    once into <target.cache_dir>/data/<name>-<key>/, key = digest of (source bytes, tokenizer files,
-    max_len, overlong, format version); a later start with the same inputs reuses it."""
-    path = cfg.resolve(cfg.data.train_path)
+def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
+    """The data set named by `data.<source>` (train_path, or heldout_path for the held-out batches): a
+    prepared folder as it is, or a chat .jsonl prepared once into <target.cache_dir>/data/<name>-<key>/,
+    key = digest of (file bytes, tokenizer files, max_len, overlong, format version); a later start
+    with the same inputs reuses it."""
+    path = cfg.resolve(getattr(cfg.data, source))
     if not path:
-        raise DataError("data.train_path is empty: name a prepared folder or a chat .jsonl file")
+        raise DataError(f"data.{source} is empty: name a prepared folder or a chat .jsonl file")
     if os.path.isdir(path):
         return PreparedDataset.open(path)
     if not os.path.isfile(path):
-        raise DataError(f"data.train_path not found: {path}")
-    tokenizer_dir = _tokenizer_for(cfg)
+        raise DataError(f"data.{source} not found: {path}")
+    tokenizer_dir = _tokenizer_for(cfg, source)
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir),
                                      cfg.data.max_len, cfg.data.overlong]).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]

@@ -9,6 +9,12 @@ once. A seq moves through
 and a session that ends (trainer dead, hung, fenced, replaced) leaves READY slots behind for the
 next session and turns its delivered-but-not-held seqs back into pending ones: the next HELLO's
 `have` decides. This module is pure bookkeeping (no ZeroMQ, no rings) so it can be tested alone.
+
+Held-out batches (eval during training) take the same road to a slot, tagged `Work(i, heldout=True)`
+with i the held-out index, but never enter the epoch plan, `have` or `delivered`: each session whose
+rank 0 asks for them gets indices 0..H-1 once (`Session.heldout_acked`), workers take them before
+training seqs, and a READY held-out slot left over from an ended session goes to the next session
+that wants it, or is discarded.
 """
 from __future__ import annotations
 
@@ -40,18 +46,29 @@ class Assignment:
     worker: int
     slot: int
     pub_seq: int
-    seq: int
+    seq: int                 # batch seq, or held-out index when `heldout`
     peer: bytes
     sent_at: float = 0.0
+    heldout: bool = False
+
+
+@dataclass(frozen=True)
+class Work:
+    """One batch for a worker to compute: training batch `seq`, or held-out batch number `seq`."""
+
+    seq: int
+    heldout: bool = False
 
 
 class Dispatcher:
-    """Hands seqs to worker threads in ascending order; thread-safe."""
+    """Hands work to worker threads: held-out batches first, then seqs in ascending order; thread-safe."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._pending: deque[int] = deque()
+        self._heldout: deque[int] = deque()
         self.computing: set[int] = set()
+        self.computing_heldout: set[int] = set()
         self.paused = False
         self.stopping = False
 
@@ -60,23 +77,42 @@ class Dispatcher:
             self._pending = deque(sorted(seqs))
             self._cond.notify_all()
 
+    def reset_heldout(self, indices: list[int]) -> None:
+        """The held-out batches still to compute (replaces the previous list)."""
+        with self._cond:
+            self._heldout = deque(sorted(indices))
+            self._cond.notify_all()
+
     def pending(self) -> list[int]:
         with self._cond:
             return list(self._pending)
 
-    def take(self, timeout: float) -> int | None:
+    def pending_heldout(self) -> list[int]:
+        with self._cond:
+            return list(self._heldout)
+
+    def busy_heldout(self) -> set[int]:
+        """Held-out indices a worker has taken and not yet reported done (a snapshot)."""
+        with self._cond:
+            return set(self.computing_heldout)
+
+    def take(self, timeout: float) -> Work | None:
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self.stopping or (not self.paused and bool(self._pending)), timeout)
+                lambda: self.stopping or (not self.paused and bool(self._heldout or self._pending)), timeout)
             if not ok or self.stopping:
                 return None
+            if self._heldout:
+                index = self._heldout.popleft()
+                self.computing_heldout.add(index)
+                return Work(index, heldout=True)
             seq = self._pending.popleft()
             self.computing.add(seq)
-            return seq
+            return Work(seq)
 
-    def done(self, seq: int) -> None:
+    def done(self, work: Work) -> None:
         with self._cond:
-            self.computing.discard(seq)
+            (self.computing_heldout if work.heldout else self.computing).discard(work.seq)
             self._cond.notify_all()
 
     def set_paused(self, paused: bool) -> None:
@@ -91,7 +127,8 @@ class Dispatcher:
 
     def idle(self) -> bool:
         with self._cond:
-            return not self.computing and (not self._pending or self.paused)
+            return (not self.computing and not self.computing_heldout
+                    and (not (self._pending or self._heldout) or self.paused))
 
 
 @dataclass
@@ -108,6 +145,9 @@ class Session:
     assigned: dict[tuple[int, int], Assignment] = field(default_factory=dict)
     epochs_ended: set[int] = field(default_factory=set)
     last_commit_step: int = -1
+    heldout_peer: bytes | None = None     # the rank 0 that asked for held-out batches
+    heldout_wanted: bool | None = None    # None until rank 0 said HELLO
+    heldout_acked: set[int] = field(default_factory=set)  # held-out indices this session has
 
     def holds(self, seq: int) -> bool:
         return seq in self.have or seq in self.delivered

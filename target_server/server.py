@@ -4,7 +4,8 @@ Threads: one `TargetWorker` per device (forward -> slot -> publish) and this mai
 owns the ZeroMQ ROUTER and all bookkeeping:
 
     HELLO    -> new or joined session: consumer epoch bumped in every ring, READY slots the
-                trainer already holds discarded, every other missing seq queued for compute
+                trainer already holds discarded, every other missing seq queued for compute;
+                rank 0's `heldout` flag: queue the held-out batches this session lacks
     ANNOUNCE <- READY slots, oldest seq first, to ranks with free credit
     ACK      -> shared-memory ack checked (the headers are the truth), seq delivered
     COMMIT   -> the trainer's checkpoint holds these seqs (status only: HELLO carries the truth)
@@ -13,6 +14,13 @@ owns the ZeroMQ ROUTER and all bookkeeping:
 
 ZeroMQ is only the doorbell: slot headers are re-scanned on a timer, so a lost message costs
 latency, never a batch.
+
+Held-out batches (`data.heldout_path`, the first `train.eval_batches` packed batches of that data)
+share the workers, rings and ack path but none of the training bookkeeping: a READY slot whose meta
+says `heldout` goes only to the rank 0 that asked for held-out batches, is announced before
+training batches and outside its credit, and once acked is remembered in the session's
+`heldout_acked`; a session that does not want it discards it, and one that ends leaves it for the
+next session.
 """
 from __future__ import annotations
 
@@ -53,7 +61,9 @@ class TargetServer:
         self.quarantine_log: list[dict[str, Any]] = []
         self.computed_ever: set[int] = set()
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0, "recomputed": 0,
-                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0}
+                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0,
+                         "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
+        self.heldout_quarantined: set[int] = set()
         self.announced_pubs: set[tuple[int, int, int]] = set()
         self._stop = False
         self._lock = threading.Lock()          # counters/quarantine touched by worker threads
@@ -64,6 +74,7 @@ class TargetServer:
         self._wake_pull.bind(self._wake_addr)
         self._wake_local = threading.local()
         self.dataset, self.packer, self.plan, self.target_info = None, None, EpochPlan([]), {}
+        self.heldout_dataset, self.heldout_packer, self.heldout_count = None, None, 0
         self.workers: list[TargetWorker] = []
         self.channel: RouterChannel | None = None
         self._announce_retry_s = max(2.0, 4 * cfg.service.rescan_s)
@@ -89,12 +100,26 @@ class TargetServer:
             self.quarantine_log.append({"seq": seq, "reason": reason})
         log.error("batch seq %d quarantined, not published: %s", seq, reason)
 
+    def _on_heldout_quarantine(self, index: int, reason: str) -> None:
+        with self._lock:
+            self.heldout_quarantined.add(index)
+        log.error("held-out batch %d quarantined, not published (the trainer's eval will lack it): %s",
+                  index, reason)
+
     def _load_data(self) -> None:
         from .data import ensure_prepared
         from .packer import Packer
+        d = self.cfg.data
         self.dataset = ensure_prepared(self.cfg)
-        self.packer = Packer(self.dataset.lengths, self.cfg.data.token_budget, self.cfg.data.seed)
+        self.packer = Packer(self.dataset.lengths, d.token_budget, d.seed)
         self._plan_epochs(1)
+        if d.heldout_path:
+            # Prepared and packed exactly like the training data; held-out batch i = its epoch-0 batch i.
+            self.heldout_dataset = ensure_prepared(self.cfg, "heldout_path")
+            self.heldout_packer = Packer(self.heldout_dataset.lengths, d.token_budget, d.seed)
+            self.heldout_count = min(self.cfg.train.eval_batches, self.heldout_packer.epoch_size(0))
+            log.info("held-out data %s: %d documents, serving %d held-out batch(es)", d.heldout_path,
+                     len(self.heldout_dataset), self.heldout_count)
 
     def _plan_epochs(self, epochs: int) -> None:
         if epochs > len(self.plan.sizes):
@@ -110,7 +135,8 @@ class TargetServer:
             path = resolve_target(self.cfg.resolve(t.model), self.cfg.resolve(t.cache_dir),
                                   tokenizer_dir=self.cfg.resolve(t.tokenizer) or None)
             return TargetRunner.load(path, device=device, dtype=t.dtype, layer_ids=t.layer_ids or None,
-                                     num_capture_layers=t.num_capture_layers)
+                                     num_capture_layers=t.num_capture_layers
+                                     ).fix_linear_shape(self.cfg.data.token_budget)
 
     def start(self) -> None:
         t = self.cfg.target
@@ -125,7 +151,9 @@ class TargetServer:
         self.dispatcher.reset(list(self.plan.seqs(0)))  # prefetch epoch 0 before any trainer connects
         for i, device in enumerate(t.devices):
             w = TargetWorker(i, device, self.cfg, self._load_runner, self.dataset, self.packer, self.dispatcher,
-                             self._notify, self._on_quarantine, self.stages)
+                             self._notify, self._on_quarantine, self.stages,
+                             heldout_dataset=self.heldout_dataset, heldout_packer=self.heldout_packer,
+                             on_heldout_quarantine=self._on_heldout_quarantine)
             self.workers.append(w)
             w.start()
 
@@ -143,6 +171,7 @@ class TargetServer:
         with self._lock:
             counters = dict(self.counters)
             quarantined = len(self.quarantined)
+            heldout_quarantined = len(self.heldout_quarantined)
         counters["bad_messages"] = sum(self.channel.bad_messages.values()) if self.channel else 0
         return {
             "pid": os.getpid(),
@@ -159,10 +188,15 @@ class TargetServer:
             "epoch_sizes": self.plan.sizes,
             "pending": len(self.dispatcher.pending()),
             "computing": len(self.dispatcher.computing),
+            "heldout": {"batches": self.heldout_count, "produced": sum(w.heldout_batches for w in self.workers),
+                        "announced": counters["heldout_announced"], "acked": counters["heldout_acked"],
+                        "discarded": counters["heldout_discarded"], "quarantined": heldout_quarantined,
+                        "pending": len(self.dispatcher.pending_heldout())},
             "session": None if s is None else {
                 "job": s.job, "ranks": sorted(p.rank for p in s.peers.values()), "epochs": s.epochs,
                 "have": len(s.have), "delivered": len(s.delivered), "committed": len(s.committed),
-                "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned)},
+                "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned),
+                "heldout_acked": len(s.heldout_acked)},
             "sessions": counters["sessions"], "fenced": counters["fenced"],
             "bad_messages": counters["bad_messages"],
             "stages": self.stages.snapshot(),
@@ -175,6 +209,10 @@ class TargetServer:
             if w.ring is not None:
                 out.extend((w, info) for info in w.ring.ready())
         return out
+
+    @staticmethod
+    def _is_heldout(info: Any) -> bool:
+        return bool(info.meta.get("heldout", False))
 
     def _end_session(self, reason: str) -> None:
         s = self.session
@@ -201,6 +239,7 @@ class TargetServer:
         s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy())
         self.session = s
         self.counters["sessions"] += 1
+        self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
         log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
                  hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], len(self.dispatcher.pending()))
@@ -211,6 +250,8 @@ class TargetServer:
         s = self.session
         in_ring = set()
         for w, info in self._ring_ready():
+            if self._is_heldout(info):
+                continue  # not part of the plan: see _plan_heldout / _announce_heldout
             seq = int(info.meta["seq"])
             if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
                 if w.ring.discard(info.index, info.pub_seq):
@@ -221,6 +262,22 @@ class TargetServer:
         todo = outstanding(plan, SeqSet.union_of(s.have, s.delivered), self.quarantined, in_ring,
                            set(self.dispatcher.computing))
         self.dispatcher.reset(todo)
+
+    def _plan_heldout(self) -> None:
+        """Queue the held-out batches the session wants and has not got, in no slot and not being computed."""
+        s = self.session
+        if not s.heldout_wanted:
+            self.dispatcher.reset_heldout([])
+            return
+        # `busy` before `in_ring`: a worker publishes (READY) before it reports done, so an index
+        # read as not busy is either still queued (replaced below) or already in a slot.
+        busy = self.dispatcher.busy_heldout()
+        in_ring = {int(info.meta["seq"]) for _, info in self._ring_ready() if self._is_heldout(info)}
+        with self._lock:
+            lost = set(self.heldout_quarantined)
+        self.dispatcher.reset_heldout([i for i in range(self.heldout_count)
+                                       if i not in s.heldout_acked and i not in in_ring and i not in busy
+                                       and i not in lost])
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
         if not self.target_info:
@@ -253,13 +310,17 @@ class TargetServer:
                 s.assigned.pop(key, None)
         s.peers[peer] = RankPeer(identity=peer, rank=msg.rank, world=msg.world, pid=msg.pid,
                                  start_time=msg.start_time, credit=msg.credit, last_seen=time.monotonic())
+        if msg.rank == 0:
+            s.heldout_wanted = msg.heldout and self.heldout_count > 0
+            s.heldout_peer = peer if s.heldout_wanted else None
+            self._plan_heldout()
         rings = [RingInfo(worker=w.worker, path=w.ring.path, slot_count=w.ring.slot_count,
                           slot_size=w.ring.slot_size, producer_epoch=w.ring.producer_epoch)
                  for w in self.workers if w.ring is not None]
-        ready = sorted(int(info.meta["seq"]) for _, info in self._ring_ready())
+        ready = sorted(int(info.meta["seq"]) for _, info in self._ring_ready() if not self._is_heldout(info))
         self.channel.send(peer, Welcome(rid=msg.rid, consumer_epoch=s.consumer_epoch, rings=rings,
                                         target=self.target_info, epoch_sizes=self.plan.sizes[: s.epochs],
-                                        ready=ready))
+                                        ready=ready, heldout_batches=self.heldout_count))
         self._announce()
 
     def _peer_alive(self, p: RankPeer) -> bool:
@@ -269,11 +330,16 @@ class TargetServer:
             return pid_alive(p.pid, p.start_time)
         return True
 
+    def _announcement(self, s: Session, a: Assignment) -> Announce:
+        return Announce(consumer_epoch=s.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq,
+                        seq=a.seq, epoch=0 if a.heldout else self.plan.epoch_of(a.seq), heldout=a.heldout)
+
     def _announce(self) -> None:
         s = self.session
         if s is None or self.state not in ("serving", "paused", "draining", "drained"):
             return
-        ready = sorted(self._ring_ready(), key=lambda wi: int(wi[1].meta["seq"]))
+        # held-out slots first (few, acked at once), then training batches oldest seq first
+        ready = sorted(self._ring_ready(), key=lambda wi: (not self._is_heldout(wi[1]), int(wi[1].meta["seq"])))
         peers = sorted(s.peers.values(), key=lambda p: p.rank)
         for w, info in ready:
             key = (w.worker, info.index)
@@ -282,10 +348,11 @@ class TargetServer:
                 a = s.assigned[key]
                 if time.monotonic() - a.sent_at > self._announce_retry_s and a.pub_seq == info.pub_seq:
                     # ZeroMQ is only the doorbell: an announcement may be lost; the rank ignores repeats
-                    self.channel.send(a.peer, Announce(consumer_epoch=s.consumer_epoch, worker=w.worker,
-                                                       slot=info.index, pub_seq=info.pub_seq, seq=a.seq,
-                                                       epoch=self.plan.epoch_of(a.seq)))
+                    self.channel.send(a.peer, self._announcement(s, a))
                     a.sent_at = time.monotonic()
+                continue
+            if self._is_heldout(info):
+                self._announce_heldout(s, w, info)
                 continue
             if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
                 if w.ring.discard(info.index, info.pub_seq):
@@ -295,17 +362,35 @@ class TargetServer:
             if not candidates:
                 break
             peer = min(candidates, key=lambda p: (len(p.in_hand), p.rank))
-            msg = Announce(consumer_epoch=s.consumer_epoch, worker=w.worker, slot=info.index,
-                           pub_seq=info.pub_seq, seq=seq, epoch=self.plan.epoch_of(seq))
-            if not self.channel.send(peer.identity, msg):
+            a = Assignment(w.worker, info.index, info.pub_seq, seq, peer.identity, time.monotonic())
+            if not self.channel.send(peer.identity, self._announcement(s, a)):
                 continue
-            s.assigned[key] = Assignment(w.worker, info.index, info.pub_seq, seq, peer.identity, time.monotonic())
+            s.assigned[key] = a
             peer.in_hand.add(key)
             self.counters["announced"] += 1
             pub = (w.worker, w.ring.producer_epoch, info.pub_seq)
             if pub in self.announced_pubs:
                 self.counters["redelivered"] += 1
             self.announced_pubs.add(pub)
+
+    def _announce_heldout(self, s: Session, w: TargetWorker, info: Any) -> None:
+        """A READY held-out slot: to the rank 0 that asked (outside its credit), kept, or discarded."""
+        index = int(info.meta["seq"])
+        if s.heldout_wanted is None:
+            return  # rank 0 has not said HELLO yet: it decides
+        if not s.heldout_wanted or index in s.heldout_acked or index >= self.heldout_count:
+            if w.ring.discard(info.index, info.pub_seq):
+                self.counters["heldout_discarded"] += 1
+            return
+        peer = s.peers.get(s.heldout_peer)
+        if peer is None:
+            return
+        a = Assignment(w.worker, info.index, info.pub_seq, index, peer.identity, time.monotonic(), heldout=True)
+        if not self.channel.send(peer.identity, self._announcement(s, a)):
+            return
+        s.assigned[(w.worker, info.index)] = a
+        peer.in_hand.add((w.worker, info.index))
+        self.counters["heldout_announced"] += 1
 
     def _sync_deliveries(self) -> None:
         """Assigned slots that left READY were acked (the shared-memory ack is the truth)."""
@@ -328,6 +413,10 @@ class TargetServer:
             peer = s.peers.get(a.peer)
             if peer is not None:
                 peer.in_hand.discard(key)
+            if a.heldout:
+                s.heldout_acked.add(a.seq)
+                self.counters["heldout_acked"] += 1
+                continue
             s.delivered.add(a.seq)
             self.counters["acked"] += 1
         self._end_epochs()

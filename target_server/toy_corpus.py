@@ -10,6 +10,8 @@ Sample i of `generate(n, seed)` depends only on (seed, i), so `generate(m, seed)
 `random.Random` with a string seed is specified bit for bit).
 
     python -m target_server.toy_corpus --out configs/demo/chat.jsonl --n 2000 --seed 0
+    python -m target_server.toy_corpus --out configs/demo/heldout.jsonl --n 64 --seed 0 \
+        --start 1000000 --exclude configs/demo/chat.jsonl      # held-out rows: none is a training row
 """
 from __future__ import annotations
 
@@ -203,6 +205,23 @@ def generate(n: int, seed: int) -> list[Sample]:
     return [sample(seed, i) for i in range(n)]
 
 
+def held_out(n: int, seed: int, start: int, exclude: list[Sample]) -> list[Sample]:
+    """n samples from index `start` on (indices training never reaches), skipping any sample equal
+    to one in `exclude` or already taken: the corpus repeats easy prompts by chance ("Spell cat."),
+    and a held-out row must never be a training row."""
+    seen = {json.dumps(s, sort_keys=True) for s in exclude}
+    out: list[Sample] = []
+    i = start
+    while len(out) < n:
+        s = sample(seed, i)
+        key = json.dumps(s, sort_keys=True)
+        if key not in seen:  # nor twice in the held-out set itself
+            seen.add(key)
+            out.append(s)
+        i += 1
+    return out
+
+
 def write_jsonl(samples: list[Sample], path: str) -> None:
     """One JSON object per line, UTF-8, written atomically (a reader never sees half a file)."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -217,9 +236,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output JSONL path")
     parser.add_argument("--n", type=int, default=2000, help="number of samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0, help="first sample index (held-out sets: far past training)")
+    parser.add_argument("--exclude", default="", help="a JSONL file whose samples must not be repeated")
     args = parser.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    samples = generate(args.n, args.seed)
+    if args.start or args.exclude:
+        exclude = []
+        if args.exclude:
+            with open(args.exclude, encoding="utf-8") as f:
+                exclude = [json.loads(line) for line in f if line.strip()]
+        samples = held_out(args.n, args.seed, args.start, exclude)
+    else:
+        samples = generate(args.n, args.seed)
     write_jsonl(samples, args.out)
     print(f"wrote {len(samples)} samples to {args.out} ({os.path.getsize(args.out)} bytes)")
 

@@ -3,6 +3,9 @@
     dispatcher.take() -> seq -> packer + dataset -> packed tokens -> target.capture -> audit
                       -> slot tensors -> publish (READY) -> main thread announces it
 
+A held-out batch (`Work(i, heldout=True)`) takes exactly this path, packed from the held-out data
+set, and its slot meta says `"heldout": True` so the server announces it as such.
+
 CPU: the forward writes straight into the slot's `hidden` view (no extra copy).
 CUDA: the forward writes into one of two device staging buffers; a publisher thread copies the
 planes into the registered slot on its own stream, waits for that copy's event and only then
@@ -25,7 +28,7 @@ from common.batch import TOKEN_TENSORS, slot_tensor_specs
 from common.metrics import StageTimes
 from common.ring import ProducerRing, slot_bytes
 
-from .delivery import Dispatcher
+from .delivery import Dispatcher, Work
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,9 @@ class TargetWorker(threading.Thread):
 
     def __init__(self, worker: int, device: str, cfg, load_runner: Callable[[str], object],
                  dataset, packer, dispatcher: Dispatcher, notify: Callable[[], None],
-                 on_quarantine: Callable[[int, str], None], stages: StageTimes) -> None:
+                 on_quarantine: Callable[[int, str], None], stages: StageTimes,
+                 heldout_dataset=None, heldout_packer=None,
+                 on_heldout_quarantine: Callable[[int, str], None] | None = None) -> None:
         super().__init__(name=f"target-worker-{worker}", daemon=True)
         self.worker = worker
         self.device = device
@@ -67,9 +72,12 @@ class TargetWorker(threading.Thread):
         self._load_runner = load_runner
         self.dataset = dataset
         self.packer = packer
+        self.heldout_dataset = heldout_dataset
+        self.heldout_packer = heldout_packer
         self.dispatcher = dispatcher
         self.notify = notify
         self.on_quarantine = on_quarantine
+        self.on_heldout_quarantine = on_heldout_quarantine
         self.stages = stages
         self.runner = None
         self.ring: ProducerRing | None = None
@@ -79,6 +87,7 @@ class TargetWorker(threading.Thread):
         self.model_loads = 0
         self.batches = 0
         self.tokens = 0
+        self.heldout_batches = 0                # held-out batches published (not in batches/tokens)
         self._halt = threading.Event()
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -134,27 +143,33 @@ class TargetWorker(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
 
-    def _next_seq(self) -> int | None:
+    def _next_work(self) -> Work | None:
         with self.stages.time("idle"):
             return self.dispatcher.take(timeout=0.2)
 
-    def _pack(self, seq: int) -> dict[str, np.ndarray]:
+    def _pack(self, work: Work) -> dict[str, np.ndarray]:
         with self.stages.time("data"):
             from .packer import build_packed
-            return build_packed(self.dataset, self.packer.batch(seq))
+            if work.heldout:  # held-out batch i: batch i of the held-out data's epoch 0
+                return build_packed(self.heldout_dataset, self.heldout_packer.batch(work.seq))
+            return build_packed(self.dataset, self.packer.batch(work.seq))
 
-    def _meta(self, seq: int, arrays: dict[str, np.ndarray]) -> dict:
-        return {"seq": seq, "epoch": self.packer.locate(seq)[0], "num_tokens": int(arrays["input_ids"].shape[0]),
-                "layer_ids": list(self.runner.layer_ids), "worker": self.worker}
+    def _meta(self, work: Work, arrays: dict[str, np.ndarray]) -> dict:
+        epoch = 0 if work.heldout else self.packer.locate(work.seq)[0]
+        return {"seq": work.seq, "epoch": epoch, "num_tokens": int(arrays["input_ids"].shape[0]),
+                "layer_ids": list(self.runner.layer_ids), "worker": self.worker, "heldout": work.heldout}
 
-    def _audit(self, seq: int, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> bool:
+    def _audit(self, work: Work, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> bool:
         with self.stages.time("audit"):
             result = audit_hidden(hidden, arrays["doc_lens"], self.cfg.target.max_hidden_norm)
             every = self.cfg.target.audit_every
             if result.ok and every and self.batches % every == 0:
                 result = self._audit_unpacked(hidden, arrays)
         if not result.ok:
-            self.on_quarantine(seq, result.reason)
+            if not work.heldout:
+                self.on_quarantine(work.seq, result.reason)
+            elif self.on_heldout_quarantine is not None:
+                self.on_heldout_quarantine(work.seq, result.reason)
         return result.ok
 
     def _audit_unpacked(self, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> AuditResult:
@@ -177,27 +192,29 @@ class TargetWorker(threading.Thread):
         k, h = len(self.runner.layer_ids), self.runner.hidden_size
         return slot.tensor("hidden", self.runner.dtype, (k, num_tokens, h))
 
-    def _settle(self, seq: int, num_tokens: int, published: bool) -> None:
-        """Hand a taken seq back to the dispatcher; count and announce it when it reached a slot."""
-        if published:
+    def _settle(self, work: Work, num_tokens: int, published: bool) -> None:
+        """Hand taken work back to the dispatcher; count and announce it when it reached a slot."""
+        if published and work.heldout:
+            self.heldout_batches += 1
+        elif published:
             self.batches += 1
             self.tokens += num_tokens
-        self.dispatcher.done(seq)
+        self.dispatcher.done(work)
         if published:
             self.notify()
 
-    def _publish(self, slot, seq: int, arrays: dict[str, np.ndarray]) -> None:
+    def _publish(self, slot, work: Work, arrays: dict[str, np.ndarray]) -> None:
         """Token tensors into the slot, then READY (the hidden planes are already there)."""
         self._write_tokens(slot, arrays)
         with self.stages.time("publish"):
-            slot.publish(self._meta(seq, arrays))
+            slot.publish(self._meta(work, arrays))
 
     def _serve_cpu(self) -> None:
         while not self._halt.is_set():
-            seq = self._next_seq()
-            if seq is None:
+            work = self._next_work()
+            if work is None:
                 continue
-            arrays = self._pack(seq)
+            arrays = self._pack(work)
             t = int(arrays["input_ids"].shape[0])
             published = False
             try:
@@ -211,11 +228,11 @@ class TargetWorker(threading.Thread):
                         self.runner.capture(torch.from_numpy(arrays["input_ids"]),
                                             torch.from_numpy(arrays["position_ids"]),
                                             torch.from_numpy(arrays["doc_lens"]), out=hidden)
-                    if self._audit(seq, hidden, arrays):
-                        self._publish(slot, seq, arrays)
+                    if self._audit(work, hidden, arrays):
+                        self._publish(slot, work, arrays)
                         published = True
             finally:
-                self._settle(seq, t, published)
+                self._settle(work, t, published)
 
     def _acquire(self):
         """A slot context, waiting through a full ring; None when the worker is stopping."""
@@ -235,17 +252,17 @@ class TargetWorker(threading.Thread):
         free_staging: queue.Queue[int] = queue.Queue()
         for i in range(len(staging)):
             free_staging.put(i)
-        work: queue.Queue = queue.Queue(maxsize=len(staging))
+        queued: queue.Queue = queue.Queue(maxsize=len(staging))
         copy_stream = torch.cuda.Stream(device=device)
         publisher = threading.Thread(target=self._publish_cuda, name=f"publisher-{self.worker}",
-                                     args=(work, staging, free_staging, copy_stream), daemon=True)
+                                     args=(queued, staging, free_staging, copy_stream), daemon=True)
         publisher.start()
         try:
             while not self._halt.is_set():
-                seq = self._next_seq()
-                if seq is None:
+                work = self._next_work()
+                if work is None:
                     continue
-                arrays = self._pack(seq)
+                arrays = self._pack(work)
                 t = int(arrays["input_ids"].shape[0])
                 with self.stages.time("staging_wait"):
                     buf = free_staging.get()
@@ -257,29 +274,29 @@ class TargetWorker(threading.Thread):
                                             torch.from_numpy(arrays["doc_lens"]), out=out)
                         forward_done = torch.cuda.Event()
                         forward_done.record()
-                self._put_alive(work, (seq, arrays, buf, out, forward_done), publisher)
+                self._put_alive(queued, (work, arrays, buf, out, forward_done), publisher)
         finally:
-            self._put_alive(work, None, publisher)
+            self._put_alive(queued, None, publisher)
             publisher.join(timeout=60)
 
-    def _put_alive(self, work: queue.Queue, item, publisher: threading.Thread) -> None:
+    def _put_alive(self, queued: queue.Queue, item, publisher: threading.Thread) -> None:
         """Hand work to the publisher; never block on a publisher that has died."""
         while publisher.is_alive():
             try:
-                work.put(item, timeout=0.5)
+                queued.put(item, timeout=0.5)
                 return
             except queue.Full:
                 continue
         if item is not None:
             raise RuntimeError(f"publisher of worker {self.worker} died: {self.error!r}")
 
-    def _publish_cuda(self, work: queue.Queue, staging: list[torch.Tensor], free_staging: queue.Queue,
+    def _publish_cuda(self, queued: queue.Queue, staging: list[torch.Tensor], free_staging: queue.Queue,
                       copy_stream: torch.cuda.Stream) -> None:
         while True:
-            item = work.get()
+            item = queued.get()
             if item is None:
                 return
-            seq, arrays, buf, out, forward_done = item
+            work, arrays, buf, out, forward_done = item
             t = out.shape[1]
             published = False
             try:
@@ -287,7 +304,7 @@ class TargetWorker(threading.Thread):
                 # stream its host sync would also wait for the next forward.
                 with torch.cuda.stream(copy_stream):
                     copy_stream.wait_event(forward_done)
-                    ok = self._audit(seq, out, arrays)
+                    ok = self._audit(work, out, arrays)
                 if ok:
                     with self.stages.time("ring_full_wait"):
                         ctx = self._acquire()
@@ -301,17 +318,17 @@ class TargetWorker(threading.Thread):
                                 copied = torch.cuda.Event()
                                 copied.record(copy_stream)
                             copied.synchronize()
-                        self._publish(slot, seq, arrays)
+                        self._publish(slot, work, arrays)
                         published = True
             except BaseException as e:
                 log.exception("publisher of worker %d failed", self.worker)
                 self.error = e
                 self._halt.set()
-                self.dispatcher.done(seq)
+                self.dispatcher.done(work)
                 return
             finally:
                 free_staging.put(buf)
-            self._settle(seq, t, published)
+            self._settle(work, t, published)
 
     def close(self) -> None:
         if self.ring is not None:

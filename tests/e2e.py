@@ -51,6 +51,14 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
     return path
 
 
+def write_heldout(tmp: Path, samples: int = 40) -> Path:
+    """Held-out chats for eval during training: demo rows far past any test's training rows."""
+    lines = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[1000:1000 + samples]
+    path = tmp / "heldout.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def load(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 

@@ -17,7 +17,7 @@ from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, nex
 from common.seqset import SeqSet
 
 HELLO = Hello(rid=1, job="job-1", rank=0, world=1, pid=os.getpid(), start_time=1, have=SeqSet([0, 1]), epochs=1,
-              credit=2)
+              credit=2, heldout=False)
 
 
 @pytest.fixture

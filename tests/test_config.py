@@ -62,3 +62,27 @@ def test_dflash_layer_ids_and_gamma_follow_the_published_recipe() -> None:
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
     with pytest.raises(ConfigError):
         default_layer_ids(4, 5)
+
+
+def test_eval_during_training_needs_heldout_data(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train.eval_every \(5\) needs data.heldout_path"):
+        load_config(None, ["train.eval_every=5"])
+    cfg = load_config(None, ["train.eval_every=5", "data.heldout_path=heldout.jsonl", "data.train_path=chat.jsonl"])
+    assert cfg.train.eval_every == 5 and cfg.train.eval_batches == 4
+    assert load_config(None, ["data.heldout_path=heldout.jsonl"]).train.eval_every == 0  # data alone: eval off
+    with pytest.raises(ConfigError, match="train.eval_every"):
+        load_config(None, ["train.eval_every=-1"])
+    with pytest.raises(ConfigError, match="train.eval_batches"):
+        load_config(None, ["train.eval_every=5", "data.heldout_path=h.jsonl", "train.eval_batches=0"])
+    with pytest.raises(ConfigError, match="data.heldout_path: must not be data.train_path"):
+        load_config(_write(tmp_path, "data:\n  train_path: chat.jsonl\n  heldout_path: ./chat.jsonl\n"))
+
+
+def test_placement_and_attention_path_are_checked() -> None:
+    cfg = load_config(None, ["train.devices=[cuda:5, cuda:6, cuda:7]", "drafter.attn=flex"])
+    assert cfg.train.devices == ["cuda:5", "cuda:6", "cuda:7"] and cfg.drafter.attn == "flex"
+    assert load_config(None, ["train.devices=[cpu, cpu]"]).train.devices == ["cpu", "cpu"]
+    with pytest.raises(ConfigError, match="train.devices: each GPU once"):
+        load_config(None, ["train.devices=[cuda:5, cuda:5]"])
+    with pytest.raises(ConfigError, match="drafter.attn: auto | split | sdpa | flex"):
+        load_config(None, ["drafter.attn=dense"])

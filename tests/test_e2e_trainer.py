@@ -1,17 +1,21 @@
 """End to end, trainer side: two torchrun ranks, a hung (SIGSTOPped) trainer, non-finite steps,
-and the README's main job (`dfpipe demo`)."""
+held-out eval during training, and the README's main job (`dfpipe demo`)."""
 from __future__ import annotations
 
 import glob
+import json
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from e2e import REPO, Service, ctl, inspect_run, load, wait_for, write_config
+from e2e import REPO, Service, ctl, inspect_run, load, wait_for, write_config, write_heldout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,7 +45,9 @@ class Torchrun(Service):
 
 
 def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -> None:
-    config = write_config(tmp_path, samples=100)
+    # rank 0 also evaluates held-out batches every 2 steps: the other rank must not stall or deadlock
+    config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
+                          train={"eval_every": 2, "eval_batches": 2})
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     try:
@@ -57,6 +63,8 @@ def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -
         assert info["batches"] == sum(status["epoch_sizes"])
         log = ranks.log(tail=10_000)
         assert "trainer[1]" in log and "trainer[0] INFO exported drafter" in log
+        assert "trainer[0] INFO eval step " in log and "trainer[1] INFO eval step" not in log
+        assert status["heldout"]["acked"] == 2, "held-out batches go to rank 0 only, once"
     finally:
         target.stop()
 
@@ -110,12 +118,57 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
         target.stop()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_heldout_eval_reports_tau_every_n_steps_without_touching_exactly_once(tmp_path: Path) -> None:
+    every, port = 2, _free_port()
+    config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
+                          train={"eval_every": every, "eval_batches": 2, "checkpoint_every": 50},
+                          service={"trainer_metrics_port": port})
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        trainer = Service("trainer", config, tmp_path)
+        status = wait_for(lambda: (s := ctl(cfg["service"]["trainer_endpoint"], "status")) and s.get("eval") and s,
+                          180, "a held-out eval in the trainer status")
+        ev = status["eval"]
+        assert set(ev) == {"step", "tau", "acceptance_per_position", "loss", "batches"}
+        assert ev["step"] % every == 0 and ev["batches"] == 2
+        assert math.isfinite(ev["tau"]) and ev["tau"] >= 1 and math.isfinite(ev["loss"])
+        assert len(ev["acceptance_per_position"]) == cfg["drafter"]["block_size"] - 1
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "dfpipe_trainer_eval_tau " in body and "dfpipe_trainer_eval_loss " in body
+        assert trainer.wait(300) == 0, trainer.log()
+
+        info = _exactly_once(config)   # held-out batches are never trained on nor counted
+        target_status = ctl(cfg["service"]["target_endpoint"], "status")
+        assert info["batches"] == sum(target_status["epoch_sizes"])
+        assert target_status["heldout"]["acked"] == 2 and target_status["batches"]["acked"] == info["batches"]
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval_tau" in r]
+        last_step = max(r["step"] for r in rows if "loss" in r)
+        steps = [r["step"] for r in evals]
+        # every eval step from the first one on (held-out batches arrive within the first steps)
+        assert steps and steps[0] <= 3 * every and steps == list(range(steps[0], last_step + 1, every)), steps
+        assert all(r["eval_batches"] == 2 and r["eval_tau"] >= 1 and math.isfinite(r["eval_loss"]) for r in evals)
+        log = trainer.log(tail=10_000)
+        assert f"eval step {steps[-1]}: tau " in log and " on 2 held-out batches" in log
+    finally:
+        target.stop()
+
+
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "demo-run"
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "samples trained      2000 of 2000 (duplicated: 0)" in res.stdout
+    assert "held-out eval        step " in res.stdout and " on 2 held-out batches" in res.stdout
     assert "/dev/shm left over   none" in res.stdout
     assert (out / "demo.png").stat().st_size > 10_000
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()

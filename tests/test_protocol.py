@@ -25,13 +25,13 @@ RING = RingInfo(worker=0, path="/dev/shm/dfpipe.w0.17", slot_count=6, slot_size=
 SAMPLES: dict[str, Message] = {
     "hello": Hello(rid=7, job="3f2a9c1b0d4e-4242", rank=1, world=2, pid=4242, start_time=123456,
                    have=SeqSet.from_ranges([(0, 90), (95, 97)]),
-                   epochs=6, credit=2),
+                   epochs=6, credit=2, heldout=False),
     "welcome": Welcome(rid=7, consumer_epoch=3,
                        rings=[RING, dataclasses.replace(RING, worker=1, path="/dev/shm/dfpipe.w1.17")],
                        target={"hidden_size": 64, "num_layers": 4, "layer_ids": [1, 2], "vocab_size": 1000,
                                "model": "/models/tiny", "dtype": "fp32", "mask_token_id": 999, "eps": 1e-6},
-                       epoch_sizes=[100, 100, 101], ready=[90, 91]),
-    "announce": Announce(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150, epoch=1),
+                       epoch_sizes=[100, 100, 101], ready=[90, 91], heldout_batches=4),
+    "announce": Announce(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150, epoch=1, heldout=False),
     "epoch_end": EpochEnd(consumer_epoch=3, epoch=0),
     "ack": Ack(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150),
     "commit": Commit(rid=8, consumer_epoch=3, have=SeqSet.from_ranges([(0, 120)]), step=200),
@@ -93,7 +93,8 @@ def test_message_snapshots_the_callers_seqset() -> None:
     assert 50 not in msg.have and decode(msg.encode()).have == SeqSet([1, 2])
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, str(PROTOCOL_VERSION),
+                                     float(PROTOCOL_VERSION), True, None])
 def test_other_protocol_version_is_rejected(version: Any) -> None:
     with pytest.raises(ProtocolError) as e:
         decode(_pack(_wire(SAMPLES["ping"], v=version)))
@@ -154,6 +155,10 @@ BAD_FIELDS = [
     ("hello", "have", [[3, 1]]), ("hello", "have", [1, 2]), ("hello", "have", [[0, 2], [1, 3]]),
     ("hello", "have", {"a": 1}), ("hello", "job", ""), ("hello", "job", "j" * 129), ("hello", "credit", 0),
     ("hello", "epochs", 0), ("hello", "rid", -5),
+    ("hello", "heldout", 1), ("hello", "heldout", "yes"), ("hello", "heldout", True),  # True: rank 1 of 2
+    ("announce", "heldout", 0), ("announce", "heldout", "false"),
+    ("welcome", "heldout_batches", -1), ("welcome", "heldout_batches", (1 << 12) + 1),
+    ("welcome", "heldout_batches", True), ("welcome", "heldout_batches", 2.0),
     ("welcome", "rings", {"worker": 0}), ("welcome", "rings", _ring(slot_count=0)),
     ("welcome", "rings", _ring(path="")), ("welcome", "rings", _ring(path="x" * 5000)),
     ("welcome", "rings", _ring(extra=1)), ("welcome", "rings", _ring(worker="0")),
@@ -296,3 +301,45 @@ def test_seq_outside_its_epoch_is_a_context_error() -> None:
         with pytest.raises(ProtocolError) as e:
             check_announce(dataclasses.replace(SAMPLES["announce"], seq=seq, epoch=epoch), welcome)
         assert e.value.code == "context"
+
+
+# ---- held-out batches -----------------------------------------------------------------------------
+
+HELDOUT = Announce(consumer_epoch=3, worker=1, slot=2, pub_seq=1001, seq=3, epoch=0, heldout=True)
+
+
+def test_heldout_fields_round_trip() -> None:
+    hello = dataclasses.replace(SAMPLES["hello"], rank=0, heldout=True)
+    for msg in (hello, HELDOUT, dataclasses.replace(SAMPLES["welcome"], heldout_batches=0)):
+        back = decode(msg.encode())
+        assert back == msg and back.encode() == msg.encode()
+    assert decode(hello.encode()).heldout is True and decode(HELDOUT.encode()).heldout is True
+
+
+def test_only_rank_0_asks_for_heldout_batches() -> None:
+    with pytest.raises(ProtocolError, match="hello.heldout: only rank 0"):
+        dataclasses.replace(SAMPLES["hello"], rank=1, heldout=True)
+    with pytest.raises(ProtocolError, match="hello.heldout"):
+        decode(_pack(_wire(SAMPLES["hello"], rank=1, heldout=True)))
+
+
+@pytest.mark.parametrize("changes, where", [({"epoch": 1}, "announce.epoch"), ({"seq": 1 << 12}, "announce.seq")])
+def test_a_heldout_announce_names_a_heldout_index_in_epoch_0(changes: dict[str, int], where: str) -> None:
+    with pytest.raises(ProtocolError, match=where):
+        dataclasses.replace(HELDOUT, **changes)
+    with pytest.raises(ProtocolError, match=where) as e:
+        decode(_pack(_wire(HELDOUT, **changes)))
+    assert e.value.code == "field"
+
+
+def test_heldout_index_is_checked_against_the_welcome_not_the_epochs() -> None:
+    welcome = SAMPLES["welcome"]  # 4 held-out batches; epoch 0 owns seqs [0, 100)
+    check_announce(HELDOUT, welcome)
+    check_announce(dataclasses.replace(HELDOUT, seq=0), dataclasses.replace(welcome, epoch_sizes=[]))
+    for bad in (dataclasses.replace(HELDOUT, seq=4), dataclasses.replace(SAMPLES["announce"], heldout=False, seq=3,
+                                                                           epoch=1)):
+        with pytest.raises(ProtocolError) as e:
+            check_announce(bad, welcome)
+        assert e.value.code == "context"
+    with pytest.raises(ProtocolError, match="held-out batch 0 outside the 0 held-out"):
+        check_announce(dataclasses.replace(HELDOUT, seq=0), dataclasses.replace(welcome, heldout_batches=0))

@@ -106,10 +106,11 @@ json_like = st.recursive(
 @st.composite
 def hellos(draw: Any) -> Hello:
     world = draw(st.integers(1, 1 << 16))
-    return Hello(rid=draw(u63), job=draw(st.text(min_size=1, max_size=40)), rank=draw(st.integers(0, world - 1)),
+    rank = draw(st.one_of(st.just(0), st.integers(0, world - 1)))
+    return Hello(rid=draw(u63), job=draw(st.text(min_size=1, max_size=40)), rank=rank,
                  world=world, pid=draw(st.integers(1, INT64_MAX)),
                  start_time=draw(u63), have=draw(seq_sets()), epochs=draw(st.integers(1, 4096)),
-                 credit=draw(st.integers(1, 1024)))
+                 credit=draw(st.integers(1, 1024)), heldout=draw(st.booleans()) if rank == 0 else False)
 
 
 @st.composite
@@ -117,7 +118,8 @@ def welcomes(draw: Any) -> Welcome:
     ring_list = draw(st.lists(rings, max_size=5, unique_by=lambda r: r.worker))
     return Welcome(rid=draw(u63), consumer_epoch=draw(u63), rings=ring_list,
                    target=draw(st.dictionaries(key, target_values, max_size=10)),
-                   epoch_sizes=draw(st.lists(u63, max_size=8)), ready=draw(st.lists(u63, max_size=20)))
+                   epoch_sizes=draw(st.lists(u63, max_size=8)), ready=draw(st.lists(u63, max_size=20)),
+                   heldout_batches=draw(st.integers(0, 1 << 12)))
 
 
 @st.composite
@@ -130,7 +132,9 @@ def replies(draw: Any) -> Reply:
 messages = st.one_of(
     hellos(), welcomes(), replies(),
     st.builds(Announce, consumer_epoch=u63, worker=st.integers(0, 1023), slot=st.integers(0, 65535), pub_seq=u63,
-              seq=u63, epoch=u63),
+              seq=u63, epoch=u63, heldout=st.just(False)),
+    st.builds(Announce, consumer_epoch=u63, worker=st.integers(0, 1023), slot=st.integers(0, 65535), pub_seq=u63,
+              seq=st.integers(0, (1 << 12) - 1), epoch=st.just(0), heldout=st.just(True)),
     st.builds(Ack, consumer_epoch=u63, worker=st.integers(0, 1023), slot=st.integers(0, 65535), pub_seq=u63, seq=u63),
     st.builds(EpochEnd, consumer_epoch=u63, epoch=u63),
     st.builds(Commit, rid=u63, consumer_epoch=u63, have=seq_sets(), step=u63),

@@ -22,7 +22,7 @@ from common.metrics import StageTimes
 from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, next_rid
 from common.ring import ConsumerRing
 from common.seqset import SeqSet
-from e2e import Service, ctl, load, wait_for, write_config
+from e2e import Service, ctl, load, wait_for, write_config, write_heldout
 from target_server.delivery import Dispatcher
 from target_server.worker import TargetWorker, audit_hidden
 
@@ -32,16 +32,20 @@ pytestmark = pytest.mark.timeout(600)
 class ScriptedConsumer:
     """A trainer rank reduced to the protocol: HELLO, read announced slots, ack some of them."""
 
-    def __init__(self, endpoint: str, have: SeqSet, job: str, identity: tuple[int, int] | None = None) -> None:
-        """identity: the (pid, start time) the server watches for liveness (default: this process)."""
+    def __init__(self, endpoint: str, have: SeqSet, job: str, identity: tuple[int, int] | None = None,
+                 heldout: bool = False, unacked_heldout: int = 0) -> None:
+        """identity: the (pid, start time) the server watches for liveness (default: this process);
+        heldout: ask for the held-out batches, and leave the first `unacked_heldout` of them unacked."""
         self.chan = DealerChannel(endpoint)
         pid, start = identity or self_identity()
         self.hello = Hello(rid=next_rid(), job=job, rank=0, world=1, pid=pid, start_time=start,
-                           have=have, epochs=1, credit=2)
+                           have=have, epochs=1, credit=2, heldout=heldout)
         self.chan.send(self.hello)
         self.welcome = self._expect(Welcome, 120)
         self.rings = {r.worker: ConsumerRing.attach(r.path, cuda_register="off") for r in self.welcome.rings}
         self.acked: list[int] = []
+        self.heldout: list[Announce] = []      # every held-out announcement, acked or not
+        self.unacked_heldout = unacked_heldout
         self.ended = False
 
     def _expect(self, kind: type, timeout: float):
@@ -55,27 +59,47 @@ class ScriptedConsumer:
                 self.chan.send(self.hello)
         raise AssertionError(f"no {kind.__name__} within {timeout}s")
 
-    def take(self, n: int, timeout: float = 120) -> list[int]:
-        """Ack the next n announced batches (checking each slot's payload); returns their seqs."""
+    def take(self, n: int, timeout: float = 120, heldout: int | None = None) -> list[int]:
+        """Ack the next n announced batches (checking each slot's payload); returns their seqs.
+        heldout: stop as soon as that many held-out batches were announced."""
         got: list[int] = []
         deadline = time.monotonic() + timeout
-        while len(got) < n and time.monotonic() < deadline:
+        while len(got) < n and time.monotonic() < deadline and (heldout is None or len(self.heldout) < heldout):
             msg = self.chan.recv(timeout_s=0.5)
             if isinstance(msg, EpochEnd):
                 self.ended = True
-                break
+                if heldout is None:
+                    break
+                continue  # held-out batches may still come after the last training batch
             if not isinstance(msg, Announce):
                 continue
             view = self.rings[msg.worker].read(msg.slot, msg.pub_seq)
-            assert view.meta["seq"] == msg.seq
+            assert view.meta["seq"] == msg.seq and view.meta["heldout"] == msg.heldout
+            if msg.heldout:
+                if any((a.worker, a.pub_seq) == (msg.worker, msg.pub_seq) for a in self.heldout):
+                    continue  # a repeat of an announcement not acked yet (ZeroMQ is only the doorbell)
+                self.heldout.append(msg)
+                if len(self.heldout) <= self.unacked_heldout:
+                    continue
+                self._ack(msg)
+                continue
             assert int(view.tensors["doc_lens"].sum()) == view.tensors["input_ids"].shape[0]
             assert bool(torch.isfinite(view.tensors["hidden"]).all())
-            self.rings[msg.worker].ack(msg.slot, msg.pub_seq, msg.consumer_epoch)
-            self.chan.send(Ack(consumer_epoch=msg.consumer_epoch, worker=msg.worker, slot=msg.slot,
-                               pub_seq=msg.pub_seq, seq=msg.seq))
+            self._ack(msg)
             got.append(msg.seq)
         self.acked += got
         return got
+
+    def take_heldout(self, n: int, timeout: float = 120) -> list[int]:
+        """Take announcements (acking training batches as they come) until n held-out ones arrived."""
+        self.take(1 << 30, timeout, heldout=n)
+        assert len(self.heldout) == n, f"{len(self.heldout)} of {n} held-out batches announced"
+        return [a.seq for a in self.heldout]
+
+    def _ack(self, msg: Announce) -> None:
+        self.rings[msg.worker].ack(msg.slot, msg.pub_seq, msg.consumer_epoch)
+        self.chan.send(Ack(consumer_epoch=msg.consumer_epoch, worker=msg.worker, slot=msg.slot,
+                           pub_seq=msg.pub_seq, seq=msg.seq))
 
     def close(self) -> None:
         for r in self.rings.values():
@@ -134,6 +158,77 @@ def test_a_new_session_gets_exactly_the_seqs_its_have_set_lacks(two_worker_serve
     final = ctl(endpoint, "status")
     assert final["model_loads"] == 1 and final["pid"] == server.pid
     assert final["batches"]["quarantined"] == 0
+
+
+def _slots_free(endpoint: str, slots: int):
+    s = ctl(endpoint, "status")
+    return s if s and all(r["slots"]["FREE"] == slots for r in s["ring"]) else None
+
+
+def test_heldout_batches_reach_every_session_that_asks_and_are_never_delivered_as_training(tmp_path: Path) -> None:
+    h = 3
+    config = write_config(tmp_path, samples=30, data={"heldout_path": str(write_heldout(tmp_path))},
+                          train={"eval_every": 2, "eval_batches": h})
+    cfg = load(config)
+    endpoint, slots = cfg["service"]["target_endpoint"], cfg["ring"]["slots"]
+    server = Service("target-server", config, tmp_path)
+    stand_ins: list[subprocess.Popen] = []
+
+    def dying_identity() -> tuple[int, int]:
+        stand_ins.append(subprocess.Popen(["sleep", "600"]))
+        return stand_ins[-1].pid, process_start_time(stand_ins[-1].pid)
+
+    def end(consumer: ScriptedConsumer) -> None:
+        stand_ins[-1].kill()
+        stand_ins[-1].wait()
+        consumer.close()
+
+    try:
+        status = wait_for(lambda: _serving(endpoint), 180, "target serving")
+        total = sum(status["epoch_sizes"])
+        assert status["heldout"]["batches"] == h and total >= 4
+
+        # session 1 asks for held-out batches and leaves the first one announced unacked
+        first = ScriptedConsumer(endpoint, SeqSet(), job="first", identity=dying_identity(), heldout=True,
+                                 unacked_heldout=1)
+        assert first.welcome.heldout_batches == h
+        assert sorted(first.take_heldout(h)) == list(range(h))
+        left = first.heldout[0]
+        s1 = wait_for(lambda: (s := ctl(endpoint, "status")) and s["session"]["heldout_acked"] == h - 1 and s, 30,
+                      "held-out acks seen")
+        assert s1["session"]["delivered"] == len(first.acked), "held-out acks are not training deliveries"
+        assert s1["batches"]["acked"] == len(first.acked)
+        end(first)
+
+        # session 2 asks again: all of them again, the left-over slot re-announced as it is
+        second = ScriptedConsumer(endpoint, SeqSet(first.acked), job="second", identity=dying_identity(),
+                                  heldout=True, unacked_heldout=1)
+        assert sorted(second.take_heldout(h)) == list(range(h))
+        assert (left.worker, left.slot, left.pub_seq, left.seq) in {
+            (a.worker, a.slot, a.pub_seq, a.seq) for a in second.heldout}
+        end(second)
+
+        # session 3 does not ask: the slot session 2 left unacked is freed, it gets training batches only
+        have = SeqSet(first.acked + second.acked)
+        third = ScriptedConsumer(endpoint, have, job="third")
+        assert third.welcome.heldout_batches == h
+        third.take(total)
+        assert third.ended and third.heldout == []
+        third.close()
+        trained = first.acked + second.acked + third.acked
+        assert sorted(trained) == list(range(total)), "every training seq exactly once, nothing else"
+
+        final = wait_for(lambda: _slots_free(endpoint, slots), 30, "every slot FREE again (no slot leaked)")
+        assert final["batches"]["acked"] == total and final["session"]["delivered"] == len(third.acked)
+        assert final["heldout"]["acked"] == 2 * (h - 1) and final["heldout"]["discarded"] == 1
+        assert final["heldout"]["pending"] == 0 and final["heldout"]["quarantined"] == 0
+        assert final["batches"]["quarantined"] == 0 and final["model_loads"] == 1
+    finally:
+        for p in stand_ins:
+            p.kill()
+            p.wait()
+        server.stop()
+    assert server.proc.returncode == 0, server.log()
 
 
 def test_garbage_and_wrong_epoch_messages_are_counted_and_dropped(two_worker_server) -> None:

@@ -92,6 +92,22 @@ def test_heldout_prompts_are_never_training_samples() -> None:
     assert sum(json.dumps(s) in train for s in heldout) < len(heldout) // 2
 
 
+def test_demo_heldout_file_is_the_generator_output_and_shares_no_row_with_training(tmp_path: Any) -> None:
+    demo = os.path.join(os.path.dirname(__file__), "..", "configs", "demo")
+    with open(os.path.join(demo, "chat.jsonl"), encoding="utf-8") as f:
+        train = [json.loads(line) for line in f]
+    with open(os.path.join(demo, "heldout.jsonl"), encoding="utf-8") as f:
+        heldout = [json.loads(line) for line in f]
+    keys = {json.dumps(s, sort_keys=True) for s in train}
+    assert heldout and not [s for s in heldout if json.dumps(s, sort_keys=True) in keys]
+    assert len({json.dumps(s, sort_keys=True) for s in heldout}) == len(heldout)
+    assert heldout == toy_corpus.held_out(len(heldout), 0, tt.HELDOUT_START, train)  # reproducible
+    out = tmp_path / "h.jsonl"
+    toy_corpus.main(["--out", str(out), "--n", "5", "--start", str(tt.HELDOUT_START),
+                     "--exclude", os.path.join(demo, "chat.jsonl")])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == heldout[:5]
+
+
 def test_refuses_to_overwrite_a_non_empty_folder(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "keep.txt").write_text("precious")
     assert tt.main(argparse.Namespace(out=str(tmp_path), minutes=0.1, seed=0)) == 2
