@@ -28,10 +28,17 @@ def _tool(name: str) -> str:
     return path
 
 
-def _compose_config(compose_file: Path) -> subprocess.CompletedProcess:
+def _compose_config(*files: Path) -> subprocess.CompletedProcess:
+    """`docker-compose [-f file]... config`; no file: the project's default (COMPOSE_FILE in .env)."""
     tool = _tool("docker-compose")
-    return subprocess.run([tool, "-f", str(compose_file), "config"], capture_output=True, text=True,
-                          cwd=compose_file.parent, timeout=60)
+    args = [a for f in files for a in ("-f", str(f))]
+    return subprocess.run([tool, *args, "config"], capture_output=True, text=True,
+                          cwd=files[0].parent if files else REPO, timeout=60)
+
+
+def _gpus(svc: dict) -> list[str]:
+    devs = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return [d for dev in devs for d in dev["device_ids"]]
 
 
 def _mount_targets(svc: dict) -> set[str]:
@@ -43,19 +50,14 @@ def _mount_targets(svc: dict) -> set[str]:
 
 
 def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
-    res = _compose_config(REPO / "docker-compose.yml")
+    res = _compose_config()   # what a plain `docker compose up` runs: .env picks the 8-GPU shape
     assert res.returncode == 0, res.stderr
     cfg = yaml.safe_load(res.stdout)
     target, trainer = cfg["services"]["target-server"], cfg["services"]["trainer"]
     for svc in (target, trainer):
         assert svc["ipc"] == "host", "rings live in /dev/shm: both services must share the host's"
         assert "/etc/dfpipe/config.yaml" in _mount_targets(svc)
-
-    def gpus(svc: dict) -> set[str]:
-        devs = svc["deploy"]["resources"]["reservations"]["devices"]
-        return {d for dev in devs for d in dev["device_ids"]}
-
-    assert gpus(target) == {"0", "1", "2", "3", "4"} and gpus(trainer) == {"5", "6", "7"}
+    assert _gpus(target) == ["0", "1", "2", "3", "4"] and _gpus(trainer) == ["5", "6", "7"]
     assert trainer["restart"] == "on-failure"
     assert target["restart"] in ("unless-stopped", "always", "on-failure")
     # the target must not be tied to the trainer's lifecycle
@@ -63,6 +65,52 @@ def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
     assert "/cache/triton" in _mount_targets(target), "autotune once: persistent Triton cache"
     assert "/checkpoints" in _mount_targets(trainer)
     assert "torchrun" in trainer["entrypoint"]
+
+
+@pytest.mark.parametrize("shape", ["8gpu-5+3", "4gpu-2+2", "2gpu-1+1"])
+def test_each_compose_placement_gives_disjoint_gpus_one_rank_or_worker_each(shape: str) -> None:
+    base = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert not any(_gpus(svc) for svc in base["services"].values()), \
+        "the base file names no GPUs: a shape file's device list would be appended to it"
+    res = _compose_config(REPO / "docker-compose.yml", REPO / "deploy" / "compose" / f"{shape}.yml")
+    assert res.returncode == 0, res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    target, trainer = services["target-server"], services["trainer"]
+    t_gpus, r_gpus = _gpus(target), _gpus(trainer)
+    n_target, n_trainer = (int(x) for x in re.match(r"\dgpu-(\d)\+(\d)", shape).groups())
+    assert (len(t_gpus), len(r_gpus)) == (n_target, n_trainer) and not set(t_gpus) & set(r_gpus)
+    entry = trainer["entrypoint"]
+    assert entry[:2] == ["torchrun", "--nproc-per-node"] and int(entry[2]) == n_trainer
+    overrides = [a for a in target["command"] if a.startswith("target.devices=")]
+    from common.config import load_config
+    devices = load_config(None, overrides).target.devices
+    assert devices == [f"cuda:{i}" for i in range(n_target)], "one worker per GPU the container sees"
+
+
+def test_systemd_placements_are_consistent() -> None:
+    from common.config import load_config
+
+    shapes = sorted((UNITS / "placements").iterdir())
+    assert {p.name for p in shapes} == {"8gpu-5+3", "4gpu-2+2", "2gpu-1+1"}
+    for shape in shapes:
+        env = {}
+        for f in ("target.env", "trainer.env"):
+            lines = [ln for ln in (shape / f).read_text().splitlines() if ln and not ln.startswith("#")]
+            env[f] = dict(ln.split("=", 1) for ln in lines)
+        t_gpus = env["target.env"]["CUDA_VISIBLE_DEVICES"].split(",")
+        r_gpus = env["trainer.env"]["CUDA_VISIBLE_DEVICES"].split(",")
+        n_target, n_trainer = (int(x) for x in re.match(r"\dgpu-(\d)\+(\d)", shape.name).groups())
+        assert (len(t_gpus), len(r_gpus)) == (n_target, n_trainer) and not set(t_gpus) & set(r_gpus)
+        assert int(env["trainer.env"]["DFPIPE_TRAINER_RANKS"]) == n_trainer
+        devices = load_config(None, [f"target.devices={env['target.env']['DFPIPE_TARGET_DEVICES']}"]).target.devices
+        assert devices == [f"cuda:{i}" for i in range(n_target)]
+    # the units' own defaults are the 8-GPU shape
+    for unit, f in (("dfpipe-target.service", "target.env"), ("dfpipe-trainer.service", "trainer.env")):
+        text = (UNITS / unit).read_text()
+        for line in (UNITS / "placements" / "8gpu-5+3" / f).read_text().splitlines():
+            if line and not line.startswith("#"):
+                assert f"Environment={line}" in text, (unit, line)
+        assert f"EnvironmentFile=-/etc/dfpipe/{f}" in text
 
 
 def test_compose_validator_rejects_a_broken_file(tmp_path: Path) -> None:
