@@ -164,7 +164,8 @@ def load_runner(manifest: dict[str, Any], device: torch.device, allow_torch_line
     from target_server.target import TargetRunner
 
     runner = TargetRunner.load(manifest["target_dir"], device=str(device), dtype="auto",
-                               layer_ids=list(manifest["shape"]["capture_ids"]))
+                               layer_ids=list(manifest["shape"]["capture_ids"])
+                               ).fix_linear_shape(manifest["token_budget"])   # as the server does
     if device.type == "cuda" and runner.linear_backend != "fla" and not allow_torch_linear:
         raise LinearBackendError("the target runs the torch Gated DeltaNet path on CUDA: flash-linear-attention "
                                  "is not importable (install the .whl/ wheels, or pass --allow-torch-linear)")
@@ -238,3 +239,42 @@ def matmul_peak_tflops(device: torch.device, n: int, iters: int = 10, warmup: in
         a @ b
     seconds = timer.stop().seconds()
     return 2.0 * n ** 3 * iters / seconds / 1e12
+
+
+def profile_kernels(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
+    """One call of `fn` under the torch profiler: device time by kernel (top `top`) and by kind, so a
+    missed goal comes with where the time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    # device-side events only: the ops' own rows (aten::mm, Optimizer.step) repeat their kernels' time
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for name, ms, _ in rows:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"device_ms": total,
+            "by_kind_ms": dict(sorted(((k, round(v, 3)) for k, v in kinds.items()), key=lambda kv: -kv[1])),
+            "top": [{"kernel": name[:120], "ms": round(ms, 3), "share": round(ms / total, 4), "calls": n}
+                    for name, ms, n in rows[:top]]}
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse class of a CUDA kernel by its name: where the step's time goes."""
+    n = name.lower()
+    if any(s in n for s in ("flash", "fmha", "attention", "flex", "efficient_attention")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "sm90_xmma", "nvjet", "matmul", "cublas")):
+        return "matmul"
+    if any(s in n for s in ("memcpy", "memset")):
+        return "copy"
+    if any(s in n for s in ("reduce", "softmax", "norm", "sum")):
+        return "reduction/softmax"
+    if "triton" in n:
+        return "triton (compiled)"
+    return "elementwise/other"

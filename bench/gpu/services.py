@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class ServicePlan:
     p6_skip_steps: int
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
     step_timeout_s: float
+    attn: str = "auto"           # drafter.attn (P5's fastest path)
+    target_devices: list[str] | None = None    # placement; None: [device]
+    trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
 
 def write_config(plan: ServicePlan) -> str:
@@ -64,14 +68,15 @@ def write_config(plan: ServicePlan) -> str:
                  "cuda_register": "require" if cuda else "off"},
         "data": {"train_path": m["data_dir"], "token_budget": m["token_budget"], "max_len": m["max_len"], "seed": 0},
         "target": {"model": m["target_dir"], "cache_dir": os.path.join(plan.workdir, "cache"),
-                   "layer_ids": list(m["shape"]["capture_ids"]), "devices": [plan.device], "warmup": True,
-                   "audit_every": plan.audit_every},
+                   "layer_ids": list(m["shape"]["capture_ids"]), "devices": plan.target_devices or [plan.device],
+                   "warmup": True, "audit_every": plan.audit_every},
         "drafter": {"num_layers": plan.drafter_layers, "block_size": plan.block,
                     "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.anchors,
-                    "loss_chunk": plan.loss_chunk},
+                    "loss_chunk": plan.loss_chunk, "attn": plan.attn},
         # no periodic checkpoint (a 27B-wide drafter's state is ~20 GB), one metrics record per step
-        "train": {"out_dir": os.path.join(plan.workdir, "run-unused"), "epochs": 1, "checkpoint_every": 10 ** 9,
-                  "log_every": 1, "tensorboard": False, "device": plan.device},
+        "train": {"out_dir": os.path.join(plan.workdir, "run-unused"), "epochs": 3, "checkpoint_every": 10 ** 9,
+                  "log_every": 1, "tensorboard": False, "device": plan.device,
+                  "devices": plan.trainer_devices or []},
         "service": {"target_endpoint": f"ipc://{plan.workdir}/target.sock",
                     "trainer_endpoint": f"ipc://{plan.workdir}/trainer.sock"},
     }
@@ -92,10 +97,12 @@ class Children:
         self.logdir = os.path.join(workdir, "service-logs")
         os.makedirs(self.logdir, exist_ok=True)
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], env: dict[str, str], ranks: int = 1) -> subprocess.Popen:
+        """`python -m dfpipe args` in its own session; with ranks > 1 under torchrun (--standalone)."""
         log_path = os.path.join(self.logdir, f"{name}.log")
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dfpipe", *args], cwd=REPO, stdout=log,
+            proc = subprocess.Popen([sys.executable, *launcher, "-m", "dfpipe", *args], cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name], self.logs[name] = proc, log_path
         with open(self.pidfile, "a", encoding="utf-8") as f:
@@ -107,7 +114,10 @@ class Children:
         if proc is None:
             return None
         if proc.poll() is None:
-            proc.kill()
+            try:   # the whole session: torchrun's ranks too
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return proc.wait()
 
     def stop(self, name: str, timeout: float = 30.0) -> int | None:
@@ -157,9 +167,11 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 break  # a line being written
+            if "step_s" in row:   # training steps only (held-out eval writes its own records)
+                rows.append(row)
     return rows
 
 
@@ -191,6 +203,101 @@ def together_rate(rows: list[dict[str, Any]], skip: int) -> tuple[float, float, 
     return sum(step_tokens(r) for r in window[1:]) / seconds, seconds, len(window) - 1
 
 
+class ProductionSampler(threading.Thread):
+    """The target's produced-token counter over time (status polls). A window's end-to-end rate is
+    the lesser of what the trainer trained and what the target produced in it: at the window's
+    start up to slots + the trainer's queue of batches may already be waiting (the target ran
+    ahead while the trainer started), and a trainer draining them trains faster than anything is
+    produced; a target refilling its ring produces more than is trained."""
+
+    def __init__(self, endpoint: str, interval_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.endpoint, self.interval_s = endpoint, interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from dfpipe.ctl import try_status
+
+        while not self._halt.is_set():
+            status = try_status(self.endpoint, timeout_s=2.0)
+            if status and "tokens" in status:
+                self.samples.append((time.time(), int(status["tokens"])))
+            self._halt.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+    def rate(self, t0: float, t1: float) -> float | None:
+        """Produced tokens per second between the samples nearest inside [t0, t1]."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] < 0.5 * (t1 - t0):
+            return None
+        (a, ta), (b, tb) = inside[0], inside[-1]
+        return (tb - ta) / (b - a)
+
+
+def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler) -> dict[str, Any]:
+    """Trained and produced rates over the window after `skip` steps; together = the lesser."""
+    trained, seconds, steps = together_rate(rows, skip)
+    produced = sampler.rate(rows[skip]["time"], rows[-1]["time"])
+    return {"together_tok_s": min(trained, produced) if produced else trained, "trained_tok_s": trained,
+            "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
+            "together_mean_step_s": sum(r["step_s"] for r in rows[skip + 1:]) / steps}
+
+
+def window_done(skip: int, seconds: float) -> Callable[[list[dict[str, Any]]], bool]:
+    """enough(rows) for wait_metrics: `seconds` of steps after the first `skip`."""
+    return lambda r: len(r) >= skip + 2 and r[-1]["time"] - r[skip]["time"] >= seconds
+
+
+def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
+    """Both services placed on plan.target_devices / plan.trainer_devices (issue 8): the target
+    warms up alone, then the trainer (torchrun ranks over NCCL when several) trains for
+    plan.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
+    from dfpipe.ctl import try_status
+
+    cfg_path = write_config(plan)
+    cfg = load_config(cfg_path)
+    children = Children(plan.workdir)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO])),
+           "NCCL_NVLS_ENABLE": "0"}
+    deadline = time.monotonic() + budget_s
+    run_dir = os.path.join(plan.workdir, f"run-{name}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    figures.update(target_devices=plan.target_devices, trainer_devices=plan.trainer_devices)
+    try:
+        t0 = time.time()
+        children.spawn("target", ["target-server", "-c", cfg_path], env)
+        while (try_status(cfg.service.target_endpoint, timeout_s=2.0) or {}).get("state") != "serving":
+            children.check_alive("target")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"target not serving after {budget_s:.0f}s:\n{children.tail('target', 2000)}")
+            time.sleep(0.5)
+        figures["target_ready_s"] = time.time() - t0
+        ranks = len(plan.trainer_devices or [plan.device])
+        sampler = ProductionSampler(cfg.service.target_endpoint)
+        sampler.start()
+        children.spawn("trainer", ["trainer", "-c", cfg_path, "--set", f"train.out_dir={run_dir}"], env, ranks=ranks)
+        rows = wait_metrics(children, "trainer", os.path.join(run_dir, "metrics.jsonl"),
+                            window_done(plan.p6_skip_steps, plan.p6_seconds),
+                            max(1.0, deadline - time.monotonic()), also_alive=("target",))
+        figures.update(end_to_end(rows, plan.p6_skip_steps, sampler))
+        status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
+        figures["target_stages"] = status.get("stages", {})
+        print(f"placement {name}: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, "
+              f"produced {figures['produced_tok_s'] or 0:,.0f}) over {figures['together_steps']} steps "
+              f"({figures['together_seconds']:.1f}s)", flush=True)
+        return figures
+    finally:
+        if "sampler" in locals():
+            sampler.stop()
+        children.close()
+        for who in children.logs:
+            print(f"\n===== {name} {who} log (tail) =====\n{children.tail(who, 20_000)}", flush=True)
+
+
 def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
     """Cold start, together, warm restart (see the module docstring), filling `figures` as it goes
     so that the caller keeps what was measured when a later step fails."""
@@ -219,6 +326,8 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         for run in ("run-cold", "run-warm"):
             shutil.rmtree(os.path.join(plan.workdir, run), ignore_errors=True)
         t0 = time.time()
+        sampler = ProductionSampler(cfg.service.target_endpoint)
+        sampler.start()
         children.spawn("target", ["target-server", "-c", cfg_path], cold_env)
         children.spawn("trainer-cold", trainer_args("run-cold"), cold_env)
         cold_metrics = os.path.join(plan.workdir, "run-cold", "metrics.jsonl")
@@ -228,16 +337,12 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         print(f"cold start: first optimizer step {figures['cold_first_step_s']:.1f}s after both started", flush=True)
 
         skip = plan.p6_skip_steps
-
-        def window_done(r: list[dict[str, Any]]) -> bool:
-            return len(r) >= skip + 2 and r[-1]["time"] - r[skip]["time"] >= plan.p6_seconds
-
-        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done,
+        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.p6_seconds),
                             min(plan.p6_seconds * 4 + 60, left()), also_alive=("target",))
-        rate, seconds, steps = together_rate(rows, skip)
-        figures.update({"together_tok_s": rate, "together_seconds": seconds, "together_steps": steps,
-                        "together_mean_step_s": sum(r["step_s"] for r in rows[skip + 1:]) / steps})
-        print(f"together: {rate:,.0f} tok/s over {steps} steps ({seconds:.1f}s)", flush=True)
+        figures.update(end_to_end(rows, skip, sampler))
+        sampler.stop()
+        print(f"together: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, produced "
+              f"{figures['produced_tok_s'] or 0:,.0f}) over {figures['together_steps']} steps", flush=True)
         target_status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
         trainer_status = try_status(cfg.service.trainer_endpoint, timeout_s=5.0) or {}
         stages = target_status.get("stages", {})
@@ -253,11 +358,14 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         rows = wait_metrics(children, "trainer-warm", os.path.join(plan.workdir, "run-warm", "metrics.jsonl"),
                             lambda r: True, min(plan.step_timeout_s, left()), also_alive=("target",))
         figures["warm_first_step_s"] = rows[0]["time"] - t1
+        figures["warm_startup"] = (try_status(cfg.service.trainer_endpoint, timeout_s=5.0) or {}).get("startup")
         print(f"warm restart: first optimizer step {figures['warm_first_step_s']:.1f}s after the trainer started",
               flush=True)
         figures["warm_over_cold_first_step"] = figures["warm_first_step_s"] / figures["cold_first_step_s"]
         return figures
     finally:
+        if "sampler" in locals():
+            sampler.stop()
         children.close()
         for name in children.logs:
             print(f"\n===== {name} log (tail) =====\n{children.tail(name, 60_000)}", flush=True)

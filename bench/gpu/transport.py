@@ -76,6 +76,8 @@ def consumer_main(path: str, device_name: str, nbytes: int, cuda_register: str) 
     device = torch.device(device_name)
     ring = ConsumerRing.attach(path, cuda_register=cuda_register)
     stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    # this GPU's own pinned-memory H2D rate: the most any slot -> GPU copy here can reach
+    own = ceilings(nbytes, device)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times: list[float] = []
     stale = 0
@@ -93,7 +95,8 @@ def consumer_main(path: str, device_name: str, nbytes: int, cuda_register: str) 
         ring.ack(index, pub_seq, CONSUMER_EPOCH)
         print(f"ack {index} {pub_seq}", flush=True)
     print("stats " + json.dumps({"h2d_s": times, "stale": stale, "device": str(device),
-                                 "registered": cuda_register != "off"}), flush=True)
+                                 "registered": cuda_register != "off",
+                                 "h2d_pinned_gbps": own["h2d_pinned_gbps"]}), flush=True)
     ring.close()
 
 
@@ -189,7 +192,13 @@ def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, 
             "slot_period_ms": 1e3 * elapsed / iters,
             "stale_reads": stats["stale"],
         })
+        figures["consumer_h2d_pinned_gbps"] = stats["h2d_pinned_gbps"]
         figures["ring_over_pinned_d2h"] = figures["ring_gbps"] / figures["d2h_pinned_gbps"]
+        # every byte crosses PCIe twice, D2H on the producer's GPU then H2D on the consumer's: the
+        # slower of the two pinned rates bounds any two-process transport on this host
+        bound = min(figures["d2h_pinned_gbps"], stats["h2d_pinned_gbps"])
+        figures["transport_ceiling_gbps"] = bound
+        figures["ring_over_transport_ceiling"] = figures["ring_gbps"] / bound
         return figures
     finally:
         try:

@@ -9,6 +9,7 @@ ring's headers itself, hands each READY slot to `on_slot`, acks it at once and w
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,61 +56,82 @@ def worker_config(token_budget: int, max_len: int, ring_name: str, shm_dir: str,
 def run_worker(runner: Any, cfg: Config, dataset: Any, packer: Any, seqs: list[int],
                on_slot: Callable[[SlotView], None] | None = None,
                patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0) -> WorkerRun:
-    """Serve `seqs` through a TargetWorker; every published slot goes through on_slot, then is acked.
+    """Serve `seqs` through one TargetWorker (see run_workers)."""
+    return run_workers([runner], cfg, dataset, packer, seqs, on_slot, patch, timeout_s)
 
-    `patch` may alter the worker before it starts (a diagnostic variant). Raises the worker's own
-    error if it fails, TimeoutError if the seqs are not all published or quarantined in time.
+
+def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs: list[int],
+                on_slot: Callable[[SlotView], None] | None = None,
+                patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0) -> WorkerRun:
+    """Serve `seqs` through one TargetWorker per runner (one ring each, one shared dispatcher: the
+    server's shape); every published slot goes through on_slot, then is acked.
+
+    `patch` may alter each worker before it starts (a diagnostic variant). Raises a worker's own
+    error if one fails, TimeoutError if the seqs are not all published or quarantined in time.
     """
     run = WorkerRun()
     dispatcher = Dispatcher()
     dispatcher.reset(list(seqs))
-    holder: dict[str, TargetWorker] = {}
+    workers: list[TargetWorker] = []
+    lock = threading.Lock()
 
-    def on_publish() -> None:  # the publisher thread, after each publish (and once on failure)
-        w = holder["worker"]
-        if w.batches > (run.publishes[-1][1] if run.publishes else 0):
-            run.publishes.append((time.perf_counter(), w.batches, w.tokens))
+    def on_publish() -> None:  # a publisher thread, after each publish (and once on failure)
+        with lock:
+            batches = sum(w.batches for w in workers)
+            if batches > (run.publishes[-1][1] if run.publishes else 0):
+                run.publishes.append((time.perf_counter(), batches, sum(w.tokens for w in workers)))
 
     stages = StageTimes()
-    worker = TargetWorker(0, str(runner.device), cfg, lambda _device: runner, dataset, packer, dispatcher,
-                          on_publish, lambda seq, why: run.quarantined.append((seq, why)), stages)
-    holder["worker"] = worker
-    if patch is not None:
-        patch(worker)
-    worker.start()
-    consumer = None
+    for i, runner in enumerate(runners):
+        worker = TargetWorker(i, str(runner.device), cfg, lambda _device, r=runner: r, dataset, packer, dispatcher,
+                              on_publish, lambda seq, why: run.quarantined.append((seq, why)), stages)
+        if patch is not None:
+            patch(worker)
+        workers.append(worker)
+    for worker in workers:
+        worker.start()
+    consumers: list[ConsumerRing] = []
     try:
-        if not worker.ready.wait(timeout_s) or worker.error is not None:
-            raise RuntimeError(f"target worker did not start: {worker.error!r}") from worker.error
-        worker.ring.set_consumer_epoch(CONSUMER_EPOCH)
-        consumer = ConsumerRing.attach(worker.ring.path, cuda_register="off")  # reads headers and bytes only
+        for worker in workers:
+            if not worker.ready.wait(timeout_s) or worker.error is not None:
+                raise RuntimeError(f"target worker did not start: {worker.error!r}") from worker.error
+            worker.ring.set_consumer_epoch(CONSUMER_EPOCH)
+            # reads headers and bytes only
+            consumers.append(ConsumerRing.attach(worker.ring.path, cuda_register="off"))
         deadline = time.monotonic() + timeout_s
         while run.received + len(run.quarantined) < len(seqs):
-            if worker.error is not None:
-                raise RuntimeError(f"target worker failed: {worker.error!r}") from worker.error
+            failed = next((w for w in workers if w.error is not None), None)
+            if failed is not None:
+                raise RuntimeError(f"target worker {failed.worker} failed: {failed.error!r}") from failed.error
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{run.received} of {len(seqs)} seqs published within {timeout_s}s "
                                    f"({len(run.quarantined)} quarantined)")
-            infos = worker.ring.ready()
-            if not infos:
-                time.sleep(0.001)  # releases the GIL for the worker's launch loop
-                continue
-            for info in infos:
-                view = consumer.read(info.index, info.pub_seq)
-                if on_slot is not None:
-                    on_slot(view)
-                if not view.still_valid():
-                    run.invalid_after_read += 1
-                del view  # no slot tensor may outlive the ack
-                consumer.ack(info.index, info.pub_seq, CONSUMER_EPOCH)
-                run.received += 1
-            worker.ring.wake()
+            idle = True
+            for worker, consumer in zip(workers, consumers):
+                infos = worker.ring.ready()
+                for info in infos:
+                    view = consumer.read(info.index, info.pub_seq)
+                    if on_slot is not None:
+                        on_slot(view)
+                    if not view.still_valid():
+                        run.invalid_after_read += 1
+                    del view  # no slot tensor may outlive the ack
+                    consumer.ack(info.index, info.pub_seq, CONSUMER_EPOCH)
+                    run.received += 1
+                if infos:
+                    idle = False
+                    worker.ring.wake()
+            if idle:
+                time.sleep(0.001)  # releases the GIL for the workers' launch loops
     finally:
-        worker.stop()
+        for worker in workers:
+            worker.stop()
         dispatcher.stop()
-        worker.join(timeout=60)
-        if consumer is not None:
+        for worker in workers:
+            worker.join(timeout=60)
+        for consumer in consumers:
             consumer.close()
-        worker.close()
+        for worker in workers:
+            worker.close()
         run.stages = stages.snapshot()
     return run

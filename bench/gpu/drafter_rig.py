@@ -1,0 +1,103 @@
+"""The drafter as the trainer runs it, without the feed: built for the benchmark's target shape,
+stepped on synthetic or dataset batches. P5 (one GPU) and the rank-scaling run (torchrun, NCCL)
+share it, so both time the trainer's own step: DFlash loss, backward, the flat gradient
+all-reduce of drafter_trainer.train, clip, finite check, AdamW.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from bench.gpu import fixtures
+
+
+class DrafterRig:
+    def __init__(self, manifest: dict[str, Any], device: torch.device, layers: int, block: int, anchors: int,
+                 loss_chunk: int, seed: int, attn: str = "auto") -> None:
+        from common.config import DrafterConfig, default_gamma
+        from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+
+        self.manifest, self.device, self.block, self.anchors = manifest, device, block, anchors
+        self.loss_chunk, self.seed = loss_chunk, seed
+        self.cuda = device.type == "cuda"
+        self.shape = fixtures.shape_of(manifest)
+        with open(os.path.join(manifest["target_dir"], "config.json"), encoding="utf-8") as f:
+            target_config = json.load(f)
+        self.config = DFlashConfig.from_target(
+            target_config, DrafterConfig(num_layers=layers, block_size=block, max_anchors=anchors,
+                                         loss_chunk=loss_chunk),
+            list(self.shape.capture_ids), self.shape.mask_token_id)
+        torch.manual_seed(seed)
+        with torch.device(device):  # initialised where it trains: a CPU init of ~2B parameters takes long
+            self.model = DFlashDraftModel(self.config, attn_impl=attn)
+        head_dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        cfg = self.config
+        self.model.set_target_head(
+            torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype, generator=self.generator)
+            * 0.02,
+            torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype, generator=self.generator)
+            * 0.02)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        from common.config import TrainConfig
+        from drafter_trainer.train import make_optimizer
+
+        self.optimizer = make_optimizer(self.params, TrainConfig(), device)   # as the trainer builds it
+        self.gamma = default_gamma(block)
+        self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32
+
+    def blocks_for(self, batch: Any, seq: int) -> Any:
+        from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors
+
+        gen = torch.Generator().manual_seed(anchor_seed(self.seed, batch.epoch, seq))
+        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.anchors, gen)
+        return build_blocks(batch, anchors.to(self.device), self.block, self.config.mask_token_id, self.gamma)
+
+    def dataset_work(self, seqs: list[int]) -> list[tuple[Any, Any]]:
+        """(batch, blocks) of the prepared dataset's packed batches `seqs`, random captured planes."""
+        from target_server.data import PreparedDataset
+        from target_server.packer import Packer, build_packed
+
+        dataset = PreparedDataset.open(self.manifest["data_dir"])
+        packer = Packer(dataset.lengths, self.manifest["token_budget"], self.seed)
+        work = []
+        for seq in seqs:
+            arrays = build_packed(dataset, packer.batch(seq))
+            t = len(arrays["input_ids"])
+            hidden = torch.randn(len(self.shape.capture_ids), t, self.shape.hidden, generator=self.generator,
+                                 device=self.device, dtype=self.hidden_dtype)
+            batch = fixtures.packed_batch(arrays, hidden, seq, self.device)
+            work.append((batch, self.blocks_for(batch, seq)))
+        return work
+
+    def step(self, batch: Any, blocks: Any, ranks: Any = None) -> None:
+        """drafter_trainer.train.train_loop's step for one rank."""
+        from drafter_trainer.loss import dflash_loss
+        from drafter_trainer.train import allreduce_grads
+
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
+            out = dflash_loss(self.model, batch, blocks, self.loss_chunk)
+        out.loss.backward()
+        if ranks is not None:
+            allreduce_grads(ranks, self.params)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if bool(torch.isfinite(norm)) and bool(torch.isfinite(out.loss.detach())):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def timed(self, work: list[tuple[Any, Any]], warmup: int, steps: int, ranks: Any = None) -> list[float]:
+        """Seconds of each of `steps` steps after `warmup` untimed ones (peak memory reset between)."""
+        for i in range(warmup):
+            self.step(*work[i % len(work)], ranks=ranks)
+        fixtures.synchronize(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        times = []
+        for i in range(steps):
+            timer = fixtures.RegionTimer(self.device).start()
+            self.step(*work[i % len(work)], ranks=ranks)
+            times.append(timer.stop().seconds())
+        return times
