@@ -206,6 +206,9 @@ def test_heldout_batches_reach_every_session_that_asks_and_are_never_delivered_a
         assert sorted(second.take_heldout(h)) == list(range(h))
         assert (left.worker, left.slot, left.pub_seq, left.seq) in {
             (a.worker, a.slot, a.pub_seq, a.seq) for a in second.heldout}
+        # its acks must reach the server before the session ends (acks of an ended session are void)
+        wait_for(lambda: (s := ctl(endpoint, "status")) and s["session"]["heldout_acked"] == h - 1 and s, 30,
+                 "second session's held-out acks seen")
         end(second)
 
         # session 3 does not ask: the slot session 2 left unacked is freed, it gets training batches only
