@@ -1,0 +1,42 @@
+"""The GPU benchmark suite's plumbing, at tiny sizes on the CPU (`run_all.sh --quick`): every part
+that needs no CUDA-only feature runs to the end and writes its figures. Device time on the GPU
+host is scarce; a benchmark broken by a refactor must fail here, not there. (The figures of a CPU
+run mean nothing and are not checked.)"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = ("env", "p1", "p5", "p23", "services", "scale", "placements")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "BENCH_PARTS": " ".join(PARTS), "BENCH_BUDGET_S": "540",
+           "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=580)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    logs = {p: (tmp_path / "out" / f"{p}.log").read_text(errors="replace")[-3000:]
+            for p in PARTS if (tmp_path / "out" / f"{p}.log").exists()}
+    for part in PARTS:
+        assert results["parts"].get(part, {}).get("status") == "ok", (part, logs.get(part), res.stdout[-2000:])
+    figures = {p: results["parts"][p].get("figures", {}) for p in PARTS}
+    assert figures["p1"]["variants"] and figures["p5"]["best_attn"] in ("split", "sdpa")
+    assert set(figures["scale"]["target"]) == {"1", "2"} and set(figures["scale"]["drafter"]) == {"1", "2"}
+    assert figures["scale"]["split"]["proxy"]["8"]["best"]["target_gpus"] >= 1
+    placement = figures["placements"]["0-0"]
+    assert placement["together_tok_s"] > 0 and placement["produced_tok_s"] is not None
+    assert figures["services"]["warm_startup"]["first_step_s"] > 0
+    for key in ("P1", "P2", "P3", "P4", "P5", "P6"):
+        bench = results["benchmarks"][key]
+        assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("dfpgb-")], "rings left in /dev/shm"
