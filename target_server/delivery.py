@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.seqset import SeqSet
@@ -83,6 +84,25 @@ class Dispatcher:
             self._heldout = deque(sorted(indices))
             self._cond.notify_all()
 
+    def replan(self, todo: Callable[[set[int]], list[int]]) -> None:
+        """Replace the pending seqs with todo(seqs being computed), computed under the lock.
+
+        No worker can take or finish a seq meanwhile, and a worker publishes a batch (its slot
+        READY) before it reports the seq done: a seq outside `computing` here is still pending, in
+        a slot, quarantined or never taken, so `todo` (which reads the rings) sees every seq in
+        exactly one place. Read outside the lock, a seq finishing in between was in neither the
+        ring snapshot nor `computing` and was queued a second time.
+        """
+        with self._cond:
+            self._pending = deque(sorted(todo(set(self.computing))))
+            self._cond.notify_all()
+
+    def replan_heldout(self, todo: Callable[[set[int]], list[int]]) -> None:
+        """As `replan`, for the held-out indices."""
+        with self._cond:
+            self._heldout = deque(sorted(todo(set(self.computing_heldout))))
+            self._cond.notify_all()
+
     def pending(self) -> list[int]:
         with self._cond:
             return list(self._pending)
@@ -90,11 +110,6 @@ class Dispatcher:
     def pending_heldout(self) -> list[int]:
         with self._cond:
             return list(self._heldout)
-
-    def busy_heldout(self) -> set[int]:
-        """Held-out indices a worker has taken and not yet reported done (a snapshot)."""
-        with self._cond:
-            return set(self.computing_heldout)
 
     def take(self, timeout: float) -> Work | None:
         with self._cond:

@@ -248,20 +248,21 @@ class TargetServer:
     def _replan(self) -> None:
         """Queue every seq the session still needs that is neither in a slot nor being computed."""
         s = self.session
-        in_ring = set()
-        for w, info in self._ring_ready():
-            if self._is_heldout(info):
-                continue  # not part of the plan: see _plan_heldout / _announce_heldout
-            seq = int(info.meta["seq"])
-            if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
-                if w.ring.discard(info.index, info.pub_seq):
-                    self.counters["discarded"] += 1
-            else:
-                in_ring.add(seq)
         plan = EpochPlan(self.plan.sizes[: s.epochs])
-        todo = outstanding(plan, SeqSet.union_of(s.have, s.delivered), self.quarantined, in_ring,
-                           set(self.dispatcher.computing))
-        self.dispatcher.reset(todo)
+
+        def todo(computing: set[int]) -> list[int]:   # under the dispatcher's lock (Dispatcher.replan)
+            in_ring = set()
+            for w, info in self._ring_ready():
+                if self._is_heldout(info):
+                    continue  # not part of the plan: see _plan_heldout / _announce_heldout
+                seq = int(info.meta["seq"])
+                if s.holds(seq) or seq >= self.plan.starts[s.epochs]:
+                    if w.ring.discard(info.index, info.pub_seq):
+                        self.counters["discarded"] += 1
+                else:
+                    in_ring.add(seq)
+            return outstanding(plan, SeqSet.union_of(s.have, s.delivered), self.quarantined, in_ring, computing)
+        self.dispatcher.replan(todo)
 
     def _plan_heldout(self) -> None:
         """Queue the held-out batches the session wants and has not got, in no slot and not being computed."""
@@ -269,15 +270,14 @@ class TargetServer:
         if not s.heldout_wanted:
             self.dispatcher.reset_heldout([])
             return
-        # `busy` before `in_ring`: a worker publishes (READY) before it reports done, so an index
-        # read as not busy is either still queued (replaced below) or already in a slot.
-        busy = self.dispatcher.busy_heldout()
-        in_ring = {int(info.meta["seq"]) for _, info in self._ring_ready() if self._is_heldout(info)}
-        with self._lock:
-            lost = set(self.heldout_quarantined)
-        self.dispatcher.reset_heldout([i for i in range(self.heldout_count)
-                                       if i not in s.heldout_acked and i not in in_ring and i not in busy
-                                       and i not in lost])
+
+        def todo(busy: set[int]) -> list[int]:   # under the dispatcher's lock (Dispatcher.replan_heldout)
+            in_ring = {int(info.meta["seq"]) for _, info in self._ring_ready() if self._is_heldout(info)}
+            with self._lock:
+                lost = set(self.heldout_quarantined)
+            return [i for i in range(self.heldout_count)
+                    if i not in s.heldout_acked and i not in in_ring and i not in busy and i not in lost]
+        self.dispatcher.replan_heldout(todo)
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
         if not self.target_info:
