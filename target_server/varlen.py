@@ -75,10 +75,10 @@ class PackedDocs:
     def padded(self, num_tokens: int) -> "PackedDocs":
         """These documents plus one padding document up to `num_tokens` (unchanged if already there).
 
-        FLA's Triton kernels key their autotuning (and some their compilation) on the token count:
-        a packed row of a new length re-tunes them, which at 16K-token rows made a real run ~5x
-        slower than the same batches once tuned (H200, docs/benchmarks.md). Running the Gated
-        DeltaNet kernels on one fixed length keeps a single tuned shape.
+        Some of FLA's Triton kernels key their autotuning on the row length (0.6.0: the l2norm and
+        fused gated norm on cdiv(rows, 65536); older releases' causal_conv1d on cdiv(T, 1024)), so
+        a packed row of a new length can re-tune them mid-run. Running the Gated DeltaNet kernels
+        on one fixed length keeps a single tuned shape, tuned once by the warm-up.
         """
         t = self.num_tokens
         if num_tokens <= t:

@@ -241,6 +241,7 @@ def test_fla_with_a_fixed_token_count_matches_the_row_length_on_gpu(real_fla: No
     plain = runner.capture(ids, pos, lens)
     assert runner.fix_linear_shape(512).fixed_tokens == 512
     assert _rel_err(runner.capture(ids, pos, lens), plain) < 1e-2
+    assert not torch.backends.cuda.cudnn_sdp_enabled(), "per-document attention must not build cuDNN plans"
 
 
 @cuda_only
