@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
+    run_id = f"smoke{os.getpid()}"
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
            "PYTHON": sys.executable, "BENCH_PARTS": " ".join(PARTS), "BENCH_BUDGET_S": "540",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "DFPIPE_BENCH_RUN_ID": run_id}
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=580)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -39,4 +40,20 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     for key in ("P1", "P2", "P3", "P4", "P5", "P6"):
         bench = results["benchmarks"][key]
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("dfpgb-")], "rings left in /dev/shm"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"
+
+
+def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> None:
+    import time
+
+    import torch
+
+    from bench.gpu.transport import run_transport
+
+    dead = tmp_path / "dead_consumer.py"
+    dead.write_text("import sys\nsys.exit(3)\n")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"consumer process exited \(code 3\)"):
+        run_transport(2, 64, 32, torch.device("cpu"), "cpu", str(tmp_path), "dfpgb-deadtest", 2, 4, str(dead),
+                      timeout_s=60.0)
+    assert time.monotonic() - t0 < 20, "a dead consumer must not leave the producer waiting out its timeout"

@@ -80,6 +80,7 @@ EXPECTED_SKIPS = ("checks the behaviour without CUDA",)   # test_ring's CPU-only
 STALE_ROW_REL_ERR = 0.25   # a row off by this much of its norm is another batch's, torn or zero: a copy fault
 
 
+RING_PREFIX = "dfpgb-"   # every ring this suite creates; run_all.sh removes "dfpgb-<run id>-*" after each part
 TERMINATED = 143   # exit code of a part stopped by SIGTERM (128 + 15)
 
 
@@ -100,7 +101,9 @@ class Ctx:
         return self.device.type == "cuda"
 
     def ring_name(self, part: str) -> str:
-        return f"dfpgb-{part}-{os.getpid()}"
+        # run_all.sh's run id first: its clean-up removes this run's rings only, never those of
+        # another run on the same host
+        return f"{RING_PREFIX}{os.environ.get('DFPIPE_BENCH_RUN_ID', 'solo')}-{part}-{os.getpid()}"
 
     def cuda_register(self) -> str:
         return "require" if self.cuda else "off"

@@ -18,6 +18,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT
 export DFPIPE_BENCH_WORKDIR=${DFPIPE_BENCH_WORKDIR:-/tmp/dfpipe-gpu-bench}
+export DFPIPE_BENCH_RUN_ID=${DFPIPE_BENCH_RUN_ID:-$$}
 mkdir -p "$DFPIPE_BENCH_WORKDIR"
 PY=${PYTHON:-python3}
 BUDGET_S=${BENCH_BUDGET_S:-540}
@@ -27,7 +28,8 @@ rm -f "$OUT/results.json" "$OUT"/*.log
 log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
 
 # Service processes a part left behind (it was killed before its own cleanup): by pid, and only
-# if that pid still runs dfpipe. Then the ring files of this suite (named dfpgb-*), if any remain.
+# if that pid still runs dfpipe. Then the ring files of this run (named dfpgb-<run id>-*), if any
+# remain: another run on the same host keeps its own.
 cleanup_children() {
   local pidfile="$DFPIPE_BENCH_WORKDIR/service-pids.txt" pid name
   if [[ -f $pidfile ]]; then
@@ -39,7 +41,7 @@ cleanup_children() {
     done <"$pidfile"
     rm -f "$pidfile"
   fi
-  rm -f /dev/shm/dfpgb-* 2>/dev/null
+  rm -f "/dev/shm/dfpgb-$DFPIPE_BENCH_RUN_ID-"* 2>/dev/null
   return 0
 }
 trap cleanup_children EXIT

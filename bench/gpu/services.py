@@ -227,7 +227,8 @@ class ProductionSampler(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=5)
+        if self.is_alive():
+            self.join(timeout=5)
 
     def rate(self, t0: float, t1: float) -> float | None:
         """Produced tokens per second between the samples nearest inside [t0, t1]."""
@@ -245,6 +246,14 @@ def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler
     return {"together_tok_s": min(trained, produced) if produced else trained, "trained_tok_s": trained,
             "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
             "together_mean_step_s": sum(r["step_s"] for r in rows[skip + 1:]) / steps}
+
+
+def wind_up(children: Children, sampler: ProductionSampler, label: str, tail_bytes: int) -> None:
+    """Stop sampling, end every service process, print the tail of each one's log."""
+    sampler.stop()
+    children.close()
+    for who in children.logs:
+        print(f"\n===== {label}{who} log (tail) =====\n{children.tail(who, tail_bytes)}", flush=True)
 
 
 def window_done(skip: int, seconds: float) -> Callable[[list[dict[str, Any]]], bool]:
@@ -267,6 +276,7 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
     run_dir = os.path.join(plan.workdir, f"run-{name}")
     shutil.rmtree(run_dir, ignore_errors=True)
     figures.update(target_devices=plan.target_devices, trainer_devices=plan.trainer_devices)
+    sampler = ProductionSampler(cfg.service.target_endpoint)
     try:
         t0 = time.time()
         children.spawn("target", ["target-server", "-c", cfg_path], env)
@@ -277,7 +287,6 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
             time.sleep(0.5)
         figures["target_ready_s"] = time.time() - t0
         ranks = len(plan.trainer_devices or [plan.device])
-        sampler = ProductionSampler(cfg.service.target_endpoint)
         sampler.start()
         children.spawn("trainer", ["trainer", "-c", cfg_path, "--set", f"train.out_dir={run_dir}"], env, ranks=ranks)
         rows = wait_metrics(children, "trainer", os.path.join(run_dir, "metrics.jsonl"),
@@ -291,11 +300,7 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
               f"({figures['together_seconds']:.1f}s)", flush=True)
         return figures
     finally:
-        if "sampler" in locals():
-            sampler.stop()
-        children.close()
-        for who in children.logs:
-            print(f"\n===== {name} {who} log (tail) =====\n{children.tail(who, 20_000)}", flush=True)
+        wind_up(children, sampler, f"{name} ", 20_000)
 
 
 def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
@@ -322,11 +327,11 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
     def trainer_args(run: str) -> list[str]:
         return ["trainer", "-c", cfg_path, "--set", f"train.out_dir={os.path.join(plan.workdir, run)}"]
 
+    sampler = ProductionSampler(cfg.service.target_endpoint)
     try:
         for run in ("run-cold", "run-warm"):
             shutil.rmtree(os.path.join(plan.workdir, run), ignore_errors=True)
         t0 = time.time()
-        sampler = ProductionSampler(cfg.service.target_endpoint)
         sampler.start()
         children.spawn("target", ["target-server", "-c", cfg_path], cold_env)
         children.spawn("trainer-cold", trainer_args("run-cold"), cold_env)
@@ -364,11 +369,7 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         figures["warm_over_cold_first_step"] = figures["warm_first_step_s"] / figures["cold_first_step_s"]
         return figures
     finally:
-        if "sampler" in locals():
-            sampler.stop()
-        children.close()
-        for name in children.logs:
-            print(f"\n===== {name} log (tail) =====\n{children.tail(name, 60_000)}", flush=True)
+        wind_up(children, sampler, "", 60_000)
         leftovers = [f for f in os.listdir(plan.shm_dir) if f.startswith(plan.ring_name)] \
             if os.path.isdir(plan.shm_dir) else []
         figures["shm_leftovers"] = leftovers

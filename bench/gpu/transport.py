@@ -18,6 +18,7 @@ unregistered ring, and the "ceiling" is a CPU memcpy: only the mechanics are che
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -108,6 +109,7 @@ class _AckReader(threading.Thread):
         self.proc, self.ring = proc, ring
         self.acks = 0
         self.stats: dict[str, Any] | None = None
+        self.closed = False   # the consumer's stdout ended: it exited
         self.cond = threading.Condition()
 
     def run(self) -> None:
@@ -121,10 +123,21 @@ class _AckReader(threading.Thread):
                 with self.cond:
                     self.stats = json.loads(line[len("stats "):])
                     self.cond.notify_all()
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the consumer process exited (code {self.proc.poll()}) after {self.acks} acks")
 
     def wait_for(self, pred, timeout: float) -> bool:
+        """pred() within `timeout`; raises at once if the consumer process has exited first."""
         with self.cond:
-            return self.cond.wait_for(pred, timeout)
+            done = self.cond.wait_for(lambda: pred() or self.closed, timeout)
+            if not pred():
+                self.check_alive()
+        return done
 
 
 def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, consumer_device: str,
@@ -159,7 +172,18 @@ def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, 
 
     def send_one() -> None:
         nonlocal sent
-        with ring.acquire(timeout=timeout_s) as slot:
+        deadline = time.monotonic() + timeout_s
+        while True:   # a full ring frees only while the consumer lives: look at it every second
+            try:
+                cm = ring.acquire(timeout=1.0)
+                slot = cm.__enter__()
+                break
+            except TimeoutError:
+                reader.check_alive()
+                if time.monotonic() > deadline:
+                    raise
+        with contextlib.ExitStack() as stack:
+            stack.push(cm)
             view = slot.tensor("hidden", dtype, shape)
             d2h.append(_copy_event(device, stream, view, source))  # publish only after the event
             slot.publish({"seq": sent})
