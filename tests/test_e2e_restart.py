@@ -38,6 +38,19 @@ def _no_ring_files(cfg: dict) -> None:
     assert glob.glob(f"/dev/shm/{cfg['ring']['name']}.*") == []
 
 
+def _serving_target_and_trainer(config: Path, tmp_path: Path, services: list[Service]) -> tuple[Service, Service]:
+    """Start the target server, then a trainer once it serves; return both when 4 batches are trained.
+    Both go into `services` as soon as they start (the caller stops them)."""
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    services.append(target)
+    wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+    tr = Service("trainer", config, tmp_path)
+    services.append(tr)
+    wait_for(lambda: _trained_at_least(cfg["service"]["trainer_endpoint"], 4), 180, "trainer past 4 batches")
+    return target, tr
+
+
 def test_trainer_killed_repeatedly_still_trains_every_sample_exactly_once(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     cfg = load(config)
@@ -86,13 +99,9 @@ def test_graceful_shutdown_then_restart_with_new_learning_rate_keeps_exactly_onc
     config = write_config(tmp_path, target={"model": folder})
     cfg = load(config)
     ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
-    target = Service("target-server", config, tmp_path)
-    services = [target]
+    services: list[Service] = []
     try:
-        wait_for(lambda: _serving(ep_target), 180, "target serving")
-        tr = Service("trainer", config, tmp_path)
-        services.append(tr)
-        wait_for(lambda: _trained_at_least(ep_trainer, 4), 180, "trainer past 4 batches")
+        target, tr = _serving_target_and_trainer(config, tmp_path, services)
         assert ctl(ep_trainer, "shutdown") == {"accepted": "shutdown"}
         assert tr.wait(60) == 0, tr.log()
         after_stop = inspect_run(config)
@@ -124,13 +133,9 @@ def test_target_killed_mid_epoch_trainer_waits_and_resumes_with_nothing_lost(tmp
     config = write_config(tmp_path)
     cfg = load(config)
     ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
-    target = Service("target-server", config, tmp_path)
-    services = [target]
+    services: list[Service] = []
     try:
-        wait_for(lambda: _serving(ep_target), 180, "target serving")
-        tr = Service("trainer", config, tmp_path)
-        services.append(tr)
-        wait_for(lambda: _trained_at_least(ep_trainer, 4), 180, "trainer past 4 batches")
+        target, tr = _serving_target_and_trainer(config, tmp_path, services)
         target.kill9()
         waiting = wait_for(lambda: (s := ctl(ep_trainer, "status")) and s["state"] == "waiting_for_target" and s,
                            60, "trainer to report waiting_for_target")
