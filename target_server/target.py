@@ -125,6 +125,9 @@ class TargetRunner:
         # Gated DeltaNet kernels run on at least this many tokens (a padding document fills the
         # rest; varlen.PackedDocs.padded): one tuned kernel shape for every packed row. 0: off.
         self.fixed_tokens = 0
+        # "auto": one flash varlen call per attention layer on CUDA, SDPA per document elsewhere
+        # (varlen.packed_attention); the benchmarks set the others to compare.
+        self.attention_path = "auto"
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "auto", layer_ids: list[int] | None = None,
@@ -222,7 +225,7 @@ class TargetRunner:
             mixed = varlen.gated_deltanet_forward(layer.linear_attn, mixed, linear_docs, backend=self.linear_backend)
         else:
             mixed, _ = layer.self_attn(hidden_states=mixed, position_embeddings=rope, attention_mask=None,
-                                       **{varlen.DOCS_KWARG: docs})
+                                       **{varlen.DOCS_KWARG: docs, varlen.ATTENTION_PATH_KWARG: self.attention_path})
         hidden = hidden + mixed
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 

@@ -17,7 +17,7 @@ This module provides the three mixers with explicit boundaries, each with two ba
     mixer              "torch" backend (CPU, and GPU without FLA)      "fla" backend (CUDA + FLA)
     short conv         K shifted multiply-adds, masked by position     fla causal_conv1d(cu_seqlens=)
     gated delta rule   transformers' chunked torch rule per document   fla chunk_gated_delta_rule(cu_seqlens=)
-    attention          SDPA per document (is_causal)                   same
+    attention          SDPA per document (is_causal)                   one flash varlen call per row
 
 `gated_deltanet_forward` is the Gated DeltaNet token mixer of one Qwen3.5 layer, computed from that
 layer's own weights with the document-aware conv and delta rule in place of the stock ones.
@@ -60,6 +60,11 @@ class PackedDocs:
     @property
     def num_tokens(self) -> int:
         return self.bounds[-1][1]
+
+    @property
+    def max_len(self) -> int:
+        """The longest document (the varlen attention kernel's tile bound)."""
+        return max(e - s for s, e in self.bounds)
 
     @classmethod
     def from_doc_lens(cls, doc_lens: torch.Tensor, device: torch.device | str) -> "PackedDocs":
@@ -230,15 +235,45 @@ def gated_deltanet_forward(gdn: torch.nn.Module, hidden: torch.Tensor, docs: Pac
     return gdn.out_proj(core.reshape(1, t, -1)[:, :real_t])
 
 
+ATTENTION_PATHS = ("auto", "varlen", "per_document")
+ATTENTION_PATH_KWARG = "dfpipe_attention"
+
+
+def flash_varlen_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether torch's flash kernel can take this row in one varlen call (CUDA, half precision,
+    head_dim <= 256, query heads a multiple of key heads)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+            and query.shape[1] % key.shape[1] == 0
+            and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+def flash_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: PackedDocs,
+                           scaling: float | None) -> torch.Tensor:
+    """Causal attention inside each document of the row in one flash call: [1, H, T, D] -> [1, T, H, D].
+
+    One kernel launch per layer instead of one per document, and nothing keyed on the document
+    lengths (a per-document SDPA call is a new shape for every new length). Forward only: the
+    target never needs gradients. GQA is native to the kernel (key heads divide query heads).
+    """
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))          # [T, H, D], strided views
+    cu = docs.cu_seqlens.to(torch.int32)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, docs.max_len, docs.max_len, 0.0, True, False,
+                                                  scale=scaling)[0]
+    return out.unsqueeze(0)
+
+
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention function for transformers' registry: causal SDPA inside each document.
+    """Attention function for transformers' registry: causal attention inside each document.
 
     query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Without `dfpipe_docs`
-    (the plain HF forward) it is exactly transformers' SDPA attention.
+    (the plain HF forward) it is exactly transformers' SDPA attention. `dfpipe_attention` picks
+    "varlen" (one flash call for the row), "per_document" (one SDPA call per document) or "auto"
+    (varlen where the flash kernel takes the row: CUDA, half precision).
     """
     docs: PackedDocs | None = kwargs.pop(DOCS_KWARG, None)
+    path = kwargs.pop(ATTENTION_PATH_KWARG, "auto")
     if docs is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -246,6 +281,14 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1 or query.shape[2] != docs.num_tokens:
         raise ValueError(f"packed attention expects one row of {docs.num_tokens} tokens, got {tuple(query.shape)}")
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention path {path!r}: one of {ATTENTION_PATHS}")
+    usable = path != "per_document" and flash_varlen_usable(query, key)
+    if path == "varlen" and not usable:
+        raise ValueError(f"varlen attention needs torch's flash kernel: CUDA, fp16/bf16, head_dim <= 256 "
+                         f"(got {query.device.type}, {query.dtype}, head_dim {query.shape[-1]})")
+    if usable:
+        return flash_varlen_attention(query, key, value, docs, scaling), None
     gqa = query.shape[1] != key.shape[1]
     out = torch.empty_like(query)
     for s, e in docs.bounds:

@@ -37,6 +37,9 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     placement = figures["placements"]["0-0"]
     assert placement["together_tok_s"] > 0 and placement["produced_tok_s"] is not None
     assert figures["services"]["warm_startup"]["first_step_s"] > 0
+    first_pass = figures["p23"]["first_pass"]
+    assert {"per_document+cudnn", "per_document"} <= set(first_pass), first_pass   # varlen: CUDA only
+    assert all(v["first_tok_s"] > 0 and v["repeat_tok_s"] > 0 for k, v in first_pass.items() if k != "batches")
     for key in ("P1", "P2", "P3", "P4", "P5", "P6"):
         bench = results["benchmarks"][key]
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)

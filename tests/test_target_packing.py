@@ -258,3 +258,40 @@ def test_packed_equals_per_document_on_gpu_in_bf16(arch: str, real_fla: None, ti
         alone = runner.capture_unpacked(doc).cpu()  # transformers' own forward, one document
         assert _rel_err(packed[:, start:start + len(doc)], alone) < 5e-2
         start += len(doc)
+
+
+def test_attention_paths_refuse_what_they_cannot_run(runners: dict[str, TargetRunner]) -> None:
+    runner = runners["qwen3.5"]
+    _, ids, pos, lens = _packed(DOC_LENS, seed=7)
+    reference = runner.capture(ids, pos, lens)
+    runner.attention_path = "varlen"   # torch's flash kernel: CUDA and half precision only
+    try:
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="varlen attention needs"):
+                runner.capture(ids, pos, lens)
+        runner.attention_path = "per_document"
+        assert torch.equal(runner.capture(ids, pos, lens), reference)   # "auto" on the CPU is per document
+        runner.attention_path = "sideways"
+        with pytest.raises(ValueError, match="attention path"):
+            runner.capture(ids, pos, lens)
+    finally:
+        runner.attention_path = "auto"
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_attention_matches_per_document_sdpa_on_gpu(arch: str, real_fla: None,
+                                                           tiny_dirs: dict[str, str]) -> None:
+    runner = TargetRunner.load(tiny_dirs[arch], device="cuda")
+    _, ids, pos, lens = _packed(DOC_LENS, seed=8)
+    runner.attention_path = "per_document"
+    per_doc = runner.capture(ids, pos, lens)
+    runner.attention_path = "varlen"
+    varlen_out = runner.capture(ids, pos, lens)
+    assert _rel_err(varlen_out, per_doc) < 2e-2
+    # documents stay apart: changing the first document leaves every later one's states alone
+    ids2 = ids.clone()
+    ids2[: DOC_LENS[0]] = (ids2[: DOC_LENS[0]] + 1) % 512
+    moved = runner.capture(ids2, pos, lens)
+    later = (moved[:, DOC_LENS[0]:].float() - varlen_out[:, DOC_LENS[0]:].float()).abs().max()
+    assert float(later) <= 1e-3 * float(varlen_out.float().abs().max())

@@ -64,6 +64,7 @@ FULL: dict[str, Any] = dict(
     # issue 8: GPUs to scale over (0: all), batches per worker, full-depth layers of the real target
     # (Qwen3.5-27B capture at 1,16,31,46,61 runs 62 layers), placements "target/trainer" GPU ids
     scale_gpus=0, scale_batches=8, real_layers_computed=62, placements="", drafter_attn="",
+    firstpass_batches=4,   # p23: fresh batches per attention variant, each timed on its first and second pass
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
 )
 QUICK: dict[str, Any] = dict(
@@ -71,7 +72,7 @@ QUICK: dict[str, Any] = dict(
     linear_k_dim=32, linear_v_dim=32, vocab=2048, mask_token_id=2040, token_budget=512, max_len=256,
     median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p3_docs=24,
     p5_tokens=256, anchors=32, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
-    matmul_n=512, step_timeout=240.0, scale_batches=4,
+    matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
               "tests/test_drafter_model.py")
@@ -412,6 +413,14 @@ def part_p23(ctx: Ctx) -> str:
     runner.warmup(budget)
     ctx.store.figures("p23", first_forward_s=time.perf_counter() - t0, linear_backend=runner.linear_backend)
     failed = []
+    try:
+        first_pass_by_attention(ctx, runner, manifest)
+    except Exception as e:  # a diagnostic: P2 and P3 still run
+        traceback.print_exc()
+        ctx.store.figures("p23", first_pass_error=f"{type(e).__name__}: {e}"[:500])
+    runner.attention_path = "auto"
+    if ctx.cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)   # as TargetRunner.load leaves it
 
     # P2: the server's worker path vs the bare forward over the same batches
     numbers: dict[str, Any] = {"batches_timed": a.p2_batches, "token_budget": budget, "audit_every": a.audit_every}
@@ -487,6 +496,41 @@ def part_p23(ctx: Ctx) -> str:
     if failed:
         raise RuntimeError(f"{', '.join(failed)} failed (see the log)")
     return "measured"
+
+
+def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> None:
+    """Why a target's first pass over a batch is slower than a repeat: for each attention variant,
+    fresh batches (never seen by this process) timed once, then the same batches again. Variants:
+    SDPA per document with cuDNN's attention allowed (torch's default) and without it, and one flash
+    varlen call per row (the default on CUDA). Figures `first_pass` in part p23."""
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer, build_packed
+
+    a = ctx.args
+    variants = [("per_document+cudnn", "per_document", True), ("per_document", "per_document", False)]
+    if ctx.cuda:
+        variants.append(("varlen", "varlen", False))
+    dataset = PreparedDataset.open(manifest["data_dir"])
+    packer = Packer(dataset.lengths, manifest["token_budget"], a.seed)
+    out: dict[str, Any] = {"batches": a.firstpass_batches}
+    for i, (name, path, cudnn) in enumerate(variants):
+        # seqs far past those P2 and the services use, and different for every variant
+        seqs = range(10_000 + 100 * i, 10_000 + 100 * i + a.firstpass_batches)
+        batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
+        tokens = sum(int(b[0].numel()) for b in batches)
+        runner.attention_path = path
+        if ctx.cuda:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        rates = []
+        for _ in range(2):
+            timer = fixtures.RegionTimer(ctx.device).start()
+            for b in batches:
+                runner.capture(*b)
+            rates.append(tokens / timer.stop().seconds())
+        out[name] = {"first_tok_s": rates[0], "repeat_tok_s": rates[1], "first_over_repeat": rates[0] / rates[1],
+                     "docs_per_batch": sum(int(b[2].numel()) for b in batches) / len(batches)}
+        print(f"first pass, {name}: {rates[0]:,.0f} tok/s first, {rates[1]:,.0f} repeat", flush=True)
+        ctx.store.figures("p23", first_pass=out)
 
 
 def part_services(ctx: Ctx) -> str:
