@@ -229,3 +229,30 @@ class RoleLock:
 
     def __repr__(self) -> str:
         return f"RoleLock({self.path!r}, shared={self.shared}, held={self.held})"
+
+
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
+
+
+def signal_on_parent_death(sig: int) -> bool:
+    """Have the kernel send `sig` to this process when its parent dies (Linux prctl PDEATHSIG).
+
+    For a worker whose launcher owns its lifetime (a torchrun rank): torchrun starts every rank in
+    a session of its own, so a SIGKILL of torchrun's process group (or an OOM kill of torchrun
+    alone) leaves the ranks running, holding GPUs and the trainer's endpoints, and still attached
+    to the target server. Returns False where prctl is unavailable. If the parent is already gone
+    (died before the call, the process was re-parented), the signal is sent at once.
+    """
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent == 1 or os.getppid() != parent:
+        signal.raise_signal(sig)
+    return True

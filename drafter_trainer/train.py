@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config, default_gamma, default_layer_ids
-from common.liveness import process_age_s
+from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
 from common.seqset import SeqSet
 
@@ -608,6 +608,8 @@ def main(cfg: Config) -> int:
         trainer.flags.reason = signal.Signals(signum).name
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # a torchrun rank: stop (and checkpoint) if torchrun dies
+        signal_on_parent_death(signal.SIGTERM)
     try:
         trainer.setup()
         return trainer.train_loop()

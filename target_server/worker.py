@@ -287,7 +287,9 @@ class TargetWorker(threading.Thread):
                 return
             except queue.Full:
                 continue
-        if item is not None:
+        # A publisher that returned because the worker is stopping (it was waiting on a full ring)
+        # is a shutdown, not a failure: the batch in hand is simply not published.
+        if item is not None and not self._halt.is_set():
             raise RuntimeError(f"publisher of worker {self.worker} died: {self.error!r}")
 
     def _publish_cuda(self, queued: queue.Queue, staging: list[torch.Tensor], free_staging: queue.Queue,

@@ -64,6 +64,11 @@ def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
     assert "depends_on" not in target
     assert "/cache/triton" in _mount_targets(target), "autotune once: persistent Triton cache"
     assert "/checkpoints" in _mount_targets(trainer)
+    # a restart must not compile again: the trainer's compile caches live on a volume
+    assert trainer["environment"]["TORCHINDUCTOR_CACHE_DIR"].startswith("/cache/compile/")
+    assert trainer["environment"]["TRITON_CACHE_DIR"].startswith("/cache/compile/")
+    assert "/cache/compile" in _mount_targets(trainer)
+    assert trainer["environment"]["NCCL_NVLS_ENABLE"] == "0"
     assert "torchrun" in trainer["entrypoint"]
 
 
@@ -152,6 +157,9 @@ def test_trainer_unit_follows_target_without_binding_to_it() -> None:
     assert re.search(r"^KillSignal=SIGTERM$", text, re.M)
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", text, re.M).group(1))
     assert stop >= 120, "a final checkpoint needs time"
+    cache = re.search(r"^CacheDirectory=(\S+)$", text, re.M).group(1)
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # compile once, not on every restart
+        assert re.search(rf"^Environment={var}=/var/cache/{re.escape(cache)}/", text, re.M), var
     target = (UNITS / "dfpipe-target.service").read_text()
     assert "dfpipe-trainer" not in target
 

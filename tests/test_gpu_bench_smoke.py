@@ -60,3 +60,35 @@ def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> 
         run_transport(2, 64, 32, torch.device("cpu"), "cpu", str(tmp_path), "dfpgb-deadtest", 2, 4, str(dead),
                       timeout_s=60.0)
     assert time.monotonic() - t0 < 20, "a dead consumer must not leave the producer waiting out its timeout"
+
+
+def test_killing_a_service_also_kills_ranks_in_sessions_of_their_own(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import time
+
+    from bench.gpu.services import Children
+
+    pid_file = tmp_path / "rank.pid"
+    rank = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    launcher = ("import subprocess, sys, time\n"
+                f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+                "time.sleep(60)\n")
+    children = Children(str(tmp_path))
+    children.procs["trainer"] = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rank_pid = int(pid_file.read_text())
+    try:
+        assert children.kill("trainer") == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{rank_pid}") and "Z" not in open(f"/proc/{rank_pid}/stat").read().split()[2]:
+            assert time.monotonic() < deadline, "the rank in its own session survived the kill"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.kill(rank_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -374,3 +374,22 @@ def test_audit_rejects_zero_rows_and_huge_norms() -> None:
     zero[0, 3] = 0
     assert "all-zero" in audit_hidden(zero, lens, 1e4).reason
     assert "RMS" in audit_hidden(good * 1e6, lens, 1e4).reason
+
+
+def test_a_publisher_that_stopped_for_a_shutdown_is_not_a_failure() -> None:
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from target_server.worker import TargetWorker
+
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    worker = SimpleNamespace(_halt=threading.Event(), worker=0, error=None)
+    full: queue.Queue = queue.Queue(maxsize=1)
+    full.put("in flight")
+    with pytest.raises(RuntimeError, match="publisher of worker 0 died"):
+        TargetWorker._put_alive(worker, full, "batch", gone)   # died while serving: an error
+    worker._halt.set()
+    TargetWorker._put_alive(worker, full, "batch", gone)       # returned on stop: quiet

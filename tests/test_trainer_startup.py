@@ -94,3 +94,49 @@ def test_process_age_counts_from_the_process_start() -> None:
     time.sleep(0.05)
     b = process_age_s()
     assert a is not None and b is not None and b > a
+
+
+_ORPHAN = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from common.liveness import signal_on_parent_death
+out = {out!r}
+def on_term(signum, frame):
+    with open(out, "a") as f:
+        f.write("term\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+assert signal_on_parent_death(signal.SIGTERM)
+with open(out, "a") as f:
+    f.write("ready\\n")
+time.sleep(60)
+"""
+
+_LAUNCHER = """
+import subprocess, sys, time
+# like torchrun: the rank in a session of its own, so killing the launcher's group misses it
+subprocess.Popen([sys.executable, "-c", {child!r}], start_new_session=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    import signal
+
+    out = tmp_path / "rank.out"
+    child = _ORPHAN.format(repo=str(REPO), out=str(out))
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER.format(child=child)])
+    try:
+        deadline = time.monotonic() + 30
+        while "ready" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while "term" not in out.read_text():
+            assert time.monotonic() < deadline, "the rank outlived its launcher without a SIGTERM"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

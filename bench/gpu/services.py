@@ -87,6 +87,26 @@ def write_config(plan: ServicePlan) -> str:
     return path
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, grandchildren, ...), from /proc."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+            parent_of[int(entry)] = int(raw[raw.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parent_of.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
 class Children:
     """The service processes this part started, by pid; killed on any exit path."""
 
@@ -114,7 +134,14 @@ class Children:
         if proc is None:
             return None
         if proc.poll() is None:
-            try:   # the whole session: torchrun's ranks too
+            # torchrun starts every rank in a session of its own: kill the ranks by ancestry
+            # (first, so none is re-parented before it is found), then the launcher's session.
+            for pid in descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
