@@ -327,6 +327,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         have = self._resume()
         job = self.ranks.broadcast_str(f"{uuid.uuid4().hex[:12]}-{os.getpid()}")
+        t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
                                           cfg.service.max_message_bytes)
@@ -335,6 +336,7 @@ class Trainer:
         self.state = "waiting_for_target"
         self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs)
         t_connect = time.perf_counter()
+        self.startup["resume_and_endpoints_s"] = t_connect - t0
         self.feed.launch()
         # The drafter is built while the feed connects: on a restart against a warm target the two
         # overlap, and the build is most of the time to the first step.
@@ -353,6 +355,7 @@ class Trainer:
                          guess["model_path"], guess["layer_ids"])
                 del model
             model = build_drafter(cfg, welcome.target, self.device, self.startup)
+        t0 = time.perf_counter()
         self.model = model
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -376,6 +379,7 @@ class Trainer:
                 self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
             if cfg.train.wandb_project:
                 self._init_wandb()
+        self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
         self.state = "training"
 
     def _init_wandb(self) -> None:
@@ -435,10 +439,12 @@ class Trainer:
         cfg, ranks, model = self.cfg, self.ranks, self.model
         params = [p for p in model.parameters() if p.requires_grad]
         ends_seen: set[int] = set()
+        loop_start = time.perf_counter()
         while True:
             t0 = time.perf_counter()
             with self.stages.time("wait_batch"):
                 batch = self._next_batch(ends_seen)
+            batch_at = time.perf_counter()
             # agree with the other ranks: [ranks with a batch, stop, checkpoint, ranks past the last epoch,
             # batches trained since resume]
             all_ended = len({e for e in ends_seen if e < cfg.train.epochs}) >= cfg.train.epochs
@@ -498,7 +504,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             if "first_step_s" not in self.startup:
-                self._first_step_done(time.perf_counter() - t0)
+                self._first_step_done(loop_start, batch_at)
             if batch is not None:
                 self._record(batch, out, lr, time.perf_counter() - t0)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:
@@ -570,8 +576,9 @@ class Trainer:
         if getattr(self, "wandb", None) is not None:
             self.wandb.log({"eval/tau": result["tau"], "eval/loss": result["loss"]}, step=self.step)
 
-    def _first_step_done(self, step_s: float) -> None:
-        self.startup["first_step_s"] = step_s
+    def _first_step_done(self, loop_start: float, batch_at: float) -> None:
+        self.startup["first_batch_wait_s"] = batch_at - loop_start
+        self.startup["first_step_s"] = time.perf_counter() - batch_at
         self.startup["process_to_first_step_s"] = process_age_s()
         if self.ranks.rank == 0:
             log.info("first step %.1fs after the process started: %s", self.startup["process_to_first_step_s"] or -1,
