@@ -7,7 +7,8 @@
 
 The batch is synthetic (random hidden states, D documents of random lengths, the first 20% of each
 document outside the loss mask); the ring feed is not involved. Each variant (split-FC off / on,
-by default) runs in its own process on the same batch, after --warmup untimed steps.
+by default) runs in its own process on the same batch, after --warmup untimed steps (which pay
+for the torch.compile of --compile on, the default on CUDA).
 
 Reported per variant: median step time, context tokens/s and block rows/s, peak tensor memory above
 what was held before (CUDA: max_memory_allocated; CPU: the profiler's memory timeline) of one whole
@@ -145,6 +146,7 @@ def run_variant(args: argparse.Namespace, cfg: DFlashConfig, batch: PackedBatch,
                 device: torch.device) -> dict[str, float]:
     torch.manual_seed(0)
     model = DFlashDraftModel(cfg, split_fc=split_fc, attn_impl=args.attn).to(device)
+    model.compile_for(device, args.compile)         # as the trainer's build_drafter does
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model.set_target_head(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02,
                           torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02)
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex"])
     p.add_argument("--split-fc", default="both", choices=["both", "on", "off"])
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="drafter.compile: torch.compile layers, norms and loss; auto: on for CUDA")
     p.add_argument("--checkpoint-layers", action="store_true")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                  else f" threads {torch.get_num_threads()}"))
         print(f"# H={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_dim} "
               f"I={args.intermediate} V={args.vocab} k={args.capture_layers} T={args.tokens} D={args.docs} "
-              f"B={args.block} chunk={args.chunk} attn={args.attn} window={args.sliding_window or '-'}")
+              f"B={args.block} chunk={args.chunk} attn={args.attn} window={args.sliding_window or '-'} "
+              f"compile={args.compile}")
         print("| N | fc | step s | ctx tok/s | block rows/s | step peak MiB | fc fwd+bwd peak MiB "
               "| logits if materialised MiB | model GFLOP | executed GFLOP | model TFLOP/s | MFU |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")

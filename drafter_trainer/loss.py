@@ -5,12 +5,21 @@ of the drafter, so they never exist at once. Only rows with a positive weight re
 (the anchor column and positions past a document end or outside the loss mask are dropped
 first), and those go through `_ChunkedLinearCrossEntropy` `chunk` rows at a time:
 
-    forward, per chunk:  logits = h_c @ W^T (fp32) -> weighted CE sum, argmax hits
-                         and, when a gradient is needed, dCE/dh_c = w * (softmax - onehot) @ W
+    forward, per chunk:  logits = h_c @ W^T (the head's dtype) -> `softmax_cross_entropy`:
+                         weighted CE sum, argmax hits and, when a gradient is needed,
+                         dCE/dlogits = w * (softmax - onehot); then dCE/dh_c = that @ W
     backward:            the saved dCE/dh [R, H] times the incoming scalar gradient
 
 so peak memory is one chunk of logits, and the head costs two matmuls per row (a checkpointed
 chunk would cost three). The head is frozen: no gradient for W is ever formed.
+
+Between the two matmuls lies only elementwise work over a [chunk, V] buffer, and at V = 248K it
+is the largest elementwise cost of a step: run as separate eager kernels (cast, gather, argmax,
+max, exp, sum, divide, one-hot, scale, cast back) it moves ~50 bytes per logit. Compiled (on CUDA,
+`drafter.compile`), `softmax_cross_entropy` becomes a reduction kernel (max and argmax, then the
+sum of exponentials: two reads of the bf16 logits, one where inductor fuses them as an online
+softmax) and a pointwise one that writes the bf16 gradient over the logits: ~8 bytes per logit.
+The matmuls stay outside, in cuBLAS.
 """
 from __future__ import annotations
 
@@ -49,35 +58,97 @@ class LossOutput:
         return self.correct_per_pos / self.count_per_pos.clamp_min(1)
 
 
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+                          need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's elementwise half of the loss head, computed in fp32 from `logits` [R, V].
+
+    Returns (sum_r w_r * CE_r as an fp32 scalar, [R] bool argmax == label, and when need_grad
+    dCE/dlogits = w * (softmax - onehot) in the logits' dtype, else None). The logits are the
+    caller's scratch: the gradient is written over them (and returned), so a chunk never holds a
+    second [R, V] buffer in the matmul's dtype.
+
+    One math, written twice where the two executions want different spellings of it:
+    - eager (CPU; drafter.compile off): in place on one fp32 buffer that holds the logits, then
+      exp(logits - max), then the gradient (out of place would allocate three more);
+    - compiled: out of place, which inductor turns into a reduction kernel (max, argmax, sum of
+      exponentials; the target logit is a gather) and one pointwise pass that recomputes
+      exp(logits - max) from the logits and writes the gradient over them. Sharing one
+      exp(logits - max) tensor between the sum and the gradient (or writing in place) makes
+      inductor keep it as an fp32 [R, V] buffer between the passes; the one-hot is a comparison
+      with the column index, since an indexed update would be a scatter kernel splitting the
+      pointwise pass in two.
+    """
+    compiling = torch.compiler.is_compiling()
+    x = logits.float()                               # the logits themselves when they are fp32
+    target_logit = x.gather(1, labels[:, None]).squeeze(1)
+    correct = x.argmax(dim=-1) == labels
+    top = x.amax(dim=-1, keepdim=True)
+    shifted_exp = (x - top).exp() if compiling else x.sub_(top).exp_()
+    sum_exp = shifted_exp.sum(dim=-1, keepdim=True)
+    ce_sum = ((top + sum_exp.log()).squeeze(1) - target_logit).mul(row_weights).sum()
+    if not need_grad:
+        return ce_sum, correct, None
+    if compiling:
+        onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+        softmax = (x - top).exp() / sum_exp                             # recomputed, not stored
+        logits.copy_((softmax - onehot.to(x.dtype)) * row_weights[:, None])
+        return ce_sum, correct, logits
+    softmax = shifted_exp.div_(sum_exp)                                 # still the one buffer
+    softmax[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
+    grad = softmax.mul_(row_weights[:, None])
+    if grad.dtype != logits.dtype:
+        logits.copy_(grad)
+    return ce_sum, correct, logits
+
+
+_compiled_cross_entropy = None
+
+
+def cross_entropy_fn(compiled: bool):
+    """`softmax_cross_entropy`, eager or through torch.compile (built once per process).
+
+    Rows are dynamic (the last chunk is shorter, and a batch's row count is its positive-weight
+    rows), V is not: one graph per need_grad value serves every chunk. Padding the last chunk to
+    a fixed shape instead would spend up to a chunk of elementwise work on rows that carry nothing.
+    """
+    global _compiled_cross_entropy
+    if not compiled:
+        return softmax_cross_entropy
+    if _compiled_cross_entropy is None:
+        compiled_fn = torch.compile(softmax_cross_entropy)
+
+        def call(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, need_grad: bool):
+            for t in (logits, labels, row_weights):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return compiled_fn(logits, labels, row_weights, need_grad)
+
+        _compiled_cross_entropy = call
+    return _compiled_cross_entropy
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_r w_r * CE(h_r @ W^T, y_r), chunk rows at a time; also returns per-row argmax hits."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                row_weights: torch.Tensor, chunk: int, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                row_weights: torch.Tensor, chunk: int, with_grad: bool,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # Autograd runs forward in no-grad mode, so the caller says whether a backward will come.
         need_grad = with_grad and ctx.needs_input_grad[0]
+        cross_entropy = cross_entropy_fn(compiled)
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                h, y, w = hidden[rows].to(weight.dtype), labels[rows], row_weights[rows]
-                # One [chunk, V] fp32 buffer holds the logits, then exp(logits - max), then the
-                # softmax gradient, all in place (logsumexp alone would allocate two more).
-                buf = (h @ weight.t()).float()
-                target_logit = buf.gather(1, y[:, None]).squeeze(1)
-                correct[rows] = buf.argmax(dim=-1) == y
-                top = buf.amax(dim=-1, keepdim=True)
-                sum_exp = buf.sub_(top).exp_().sum(dim=-1, keepdim=True)
-                ce_sum += ((top + sum_exp.log()).squeeze(1) - target_logit).mul(w).sum()
+                logits = hidden[rows].to(weight.dtype) @ weight.t()
+                chunk_ce, correct[rows], grad_logits = cross_entropy(logits, labels[rows], row_weights[rows],
+                                                                     need_grad)
+                ce_sum += chunk_ce
                 if need_grad:
-                    buf.div_(sum_exp)                                     # softmax
-                    buf[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-                    buf.mul_(w[:, None])
-                    grad_hidden[rows] = (buf.to(weight.dtype) @ weight).to(hidden.dtype)
-                del buf                     # before the next chunk's matmul allocates its own
+                    grad_hidden[rows] = (grad_logits @ weight).to(hidden.dtype)
+                del logits, grad_logits     # before the next chunk's matmul allocates its own
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         return ce_sum, correct
@@ -85,7 +156,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, _grad_correct: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_ce.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_ce.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
@@ -115,7 +186,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     # backward gives them zero gradients and DDP's reduction stays in step across ranks.
     ce_sum, correct = _ChunkedLinearCrossEntropy.apply(
         hidden.reshape(n * b, h)[rows], model.lm_head.weight, blocks.labels.reshape(-1)[rows], weights[rows],
-        chunk, torch.is_grad_enabled() and hidden.requires_grad)
+        chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
     weight_sum = weights.sum()
     norm = weight_norm if weight_norm is not None else weight_sum
     norm = torch.where(norm > 0, norm, torch.ones_like(norm))

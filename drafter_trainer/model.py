@@ -32,6 +32,7 @@ from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, rea
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTN_IMPLS = ("auto", "split", "sdpa", "flex")
+COMPILE_MODES = ("auto", "off", "on")
 
 
 class DrafterConfigError(ValueError):
@@ -250,15 +251,45 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class SplitMask:
+    """The split path's mask: AttentionLayout.segments and the split_masks of one window.
+
+    A plain object, opaque to torch.compile: a compiled layer hands it to the eager split
+    attention without looking inside, so it neither guards on nor recompiles for the number of
+    segments of a batch (a tuple would be unpacked and guarded on its length).
+    """
+
+    __slots__ = ("segments", "masks")
+
+    def __init__(self, segments: list[tuple[int, int, int, int]], masks: list[torch.Tensor]) -> None:
+        self.segments, self.masks = segments, masks
+
+
+def split_attention_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SplitMask,
+                       block_size: int) -> torch.Tensor:
+    return split_attention(q, k, v, mask.segments, mask.masks, block_size)
+
+
+# What a layer calls for the split path. Never traced into a compiled layer: the loop over a
+# batch's segments would be unrolled into the graph with the segment bounds as constants and
+# recompiled for every batch (on torch 2.13, CPU, the second batch even got wrong gradients).
+# compile_for puts torch.compiler.disable(split_attention_of) here, not the import: that loads
+# torch._dynamo (~1 s) into every process.
+_layer_split_attention = split_attention_of
 _compiled_flex = None
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
-    """Block-sparse attention (AttentionLayout.flex_mask): compiled on CUDA, eager elsewhere (tests)."""
+    """Block-sparse attention (AttentionLayout.flex_mask): compiled on CUDA, eager elsewhere (tests).
+
+    Inside a compiled layer (`DFlashDraftModel.compile_for`) flex is called as it is: the
+    enclosing graph lowers it to its fused kernel, and a torch.compile of its own there would
+    only nest one compile in another.
+    """
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
         return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex, dynamic=True)
@@ -296,7 +327,7 @@ class DFlashAttention(nn.Module):
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":
-            out = split_attention(q, k, v, *mask, self.block_size)     # mask: (segments, masks)
+            out = _layer_split_attention(q, k, v, mask, self.block_size)     # mask: a SplitMask
         elif attn_impl == "sdpa":
             out = sdpa_attention(q, k, v, mask)
         else:
@@ -345,6 +376,8 @@ class DFlashDraftModel(nn.Module):
     "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (block-sparse fused
     kernel, compiled on CUDA); "auto": split on CPU, sdpa on CUDA. All evaluate one mask rule
     (AttentionLayout.visible) and agree numerically (tests).
+    `compile_for` runs the decoder layers and the two norms through torch.compile (see there);
+    `compiled` tells the loss to use its compiled cross-entropy as well.
     """
 
     FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -358,6 +391,7 @@ class DFlashDraftModel(nn.Module):
         self.attn_impl = attn_impl
         self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
         self.segment_rows = 256             # split path: query rows scored per segment (memory vs launches)
+        self.compiled = False               # set by compile_for; the loss reads it too
         h = config.hidden_size
         self.fc = nn.Linear(config.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
@@ -398,6 +432,42 @@ class DFlashDraftModel(nn.Module):
         if missing or unexpected:
             raise DrafterConfigError(f"drafter state mismatch: missing {missing[:6]}, unexpected {unexpected[:6]}")
         self.load_state_dict(state, strict=False)
+
+    # -- execution -----------------------------------------------------------------------------
+    def compile_for(self, device: torch.device | str, mode: str = "auto") -> bool:
+        """Compile (or, with "off", stop compiling) each decoder layer and hidden_norm / norm in place.
+
+        Around the GEMMs a layer is a chain of small elementwise kernels (fp32 RMSNorm: cast,
+        square, mean, rsqrt, scale, cast; RoPE: concatenated halves, two products and a sum;
+        SwiGLU; residual adds; autocast's casts), each one a pass over the activations in memory;
+        compiled, inductor fuses each chain into a kernel or two. The GEMMs and attention stay
+        what they were (cuBLAS, the SDPA kernels; flex becomes part of the layer's graph). The
+        math is unchanged (tests compare with eager): emulate_precision_casts makes a fused kernel
+        round to bf16 wherever eager does (RMSNorm's cast before the fp32 gain, SwiGLU's silu),
+        where inductor would otherwise keep the fp32 intermediate. Module.compile keeps the
+        modules, so the state dict keys, checkpoints and export are those of the eager model.
+
+        "auto" compiles on CUDA only: on the CPU (tests, the demo) the compile time is not repaid.
+        Shapes are dynamic: the context length T changes with every batch. The split attention
+        path runs eager between two compiled graphs of a layer (`_layer_split_attention`). Returns
+        whether the model is compiled now; the loss then compiles its cross-entropy too. Asking
+        again for the current state changes nothing (a second Module.compile would trace anew).
+        """
+        global _layer_split_attention
+        if mode not in COMPILE_MODES:
+            raise DrafterConfigError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        on = mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+        if on == self.compiled:
+            return on
+        if on and _layer_split_attention is split_attention_of:
+            _layer_split_attention = torch.compiler.disable(split_attention_of)
+        for module in (self.hidden_norm, *self.layers, self.norm):
+            if on:
+                module.compile(dynamic=True, options={"emulate_precision_casts": True})
+            else:
+                module._compiled_call_impl = None      # what Module.compile set; eager again
+        self.compiled = on
+        return on
 
     # -- forward -------------------------------------------------------------------------------
     def check_context(self, target_hidden: torch.Tensor, layer_ids: Sequence[int] | None) -> None:
@@ -466,16 +536,25 @@ class DFlashDraftModel(nn.Module):
         dtype = self.fc.weight.dtype
         if not torch.is_autocast_enabled(target_hidden.device.type):
             target_hidden = target_hidden.to(dtype)
+        noise_embedding = self.embed(block_input_ids.reshape(n * b)).to(dtype)
+        return self.decode_blocks(noise_embedding, target_hidden, blocks).view(n, b, -1)
+
+    def decode_blocks(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor,
+                      blocks: BlockBatch) -> torch.Tensor:
+        """[N*B, H] embedded block tokens + [k, T, H] captured planes -> [N*B, H] after the final norm.
+
+        Everything of the forward after the frozen embedding, without the input checks: the
+        trainer's kernel warm-up runs it on random inputs before the target's head is loaded.
+        """
         layout = AttentionLayout.from_blocks(blocks, self.segment_rows)
         target_hidden = self.project_context(target_hidden)
-        noise_embedding = self.embed(block_input_ids.reshape(n * b)).to(dtype)
         cfg = self.config
         rope = (*rope_cos_sin(layout.query_pos, cfg.head_dim, cfg.rope_theta),
                 *rope_cos_sin(layout.key_pos, cfg.head_dim, cfg.rope_theta))
         impl = self.attn_impl
         if impl == "auto":
             impl = "sdpa" if target_hidden.device.type == "cuda" else "split"
-        make_mask = {"split": lambda w: (layout.segments, layout.split_masks(w)),
+        make_mask = {"split": lambda w: SplitMask(layout.segments, layout.split_masks(w)),
                      "sdpa": layout.dense_mask, "flex": layout.flex_mask}[impl]
         masks = {w: make_mask(w) for w in {layer.self_attn.sliding_window for layer in self.layers}}
 
@@ -486,7 +565,7 @@ class DFlashDraftModel(nn.Module):
                 hidden_states = checkpoint(layer, *args, use_reentrant=False)
             else:
                 hidden_states = layer(*args)
-        return self.norm(hidden_states).view(n, b, -1)
+        return self.norm(hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits through the frozen lm_head (decode/eval; training uses the chunked loss)."""

@@ -32,6 +32,7 @@ import os
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .target_head import text_config
+from .warmup import warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +155,20 @@ def mask_token_id(cfg: Config, target_dir: str) -> int:
                      "set drafter.mask_token_id (Qwen3: 151669, Qwen3.5/3.6: 248070)")
 
 
+def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
+    """The autocast dtype of the drafter's step: bf16 on CUDA unless train.compute_dtype says fp32."""
+    return torch.bfloat16 if device.type == "cuda" and cfg.train.compute_dtype != "fp32" else torch.float32
+
+
 def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
-                  times: dict[str, float] | None = None) -> DFlashDraftModel:
+                  times: dict[str, float] | None = None, warm_up: bool | None = None) -> DFlashDraftModel:
     """The drafter for `target` (WELCOME's target info: model_path, layer_ids); `times` gets the
-    seconds of the build and of reading the target's embedding and head."""
+    seconds of the build, of reading the target's embedding and head, and of the kernel warm-up.
+
+    warm_up (default: on CUDA) compiles the step's kernels on random inputs (drafter_trainer.warmup)
+    while another thread reads the head from disk: the two overlap, and the first real step finds
+    its kernels compiled.
+    """
     target_dir = target["model_path"]
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
         target_config = json.load(f)
@@ -166,11 +178,28 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
     # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
     with device:
         model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
+    model.compile_for(device, cfg.drafter.compile)     # lazy: the warm-up or the first step compiles
     t1 = time.perf_counter()
-    model.load_target_head(target_dir)
+    head_s: list[float] = []
+
+    def read_head() -> None:
+        t = time.perf_counter()
+        model.load_target_head(target_dir)
+        head_s.append(time.perf_counter() - t)
+
+    if warm_up is None:
+        warm_up = device.type == "cuda"
+    with ThreadPoolExecutor(1, thread_name_prefix="target-head") as pool:
+        head = pool.submit(read_head)
+        warm_s = (warm_up_kernels(model, device, compute_dtype_for(cfg, device), cfg.data.token_budget,
+                                  cfg.drafter.max_anchors, cfg.drafter.gamma or default_gamma(cfg.drafter.block_size))
+                  if warm_up else 0.0)
+        head.result()        # re-raises the reader's error (a missing or mis-shaped head)
     if times is not None:
         times["build_s"] = t1 - t0
-        times["head_s"] = time.perf_counter() - t1
+        times["head_s"] = head_s[0]
+        times["warmup_s"] = warm_s
+        times["build_head_warmup_s"] = time.perf_counter() - t0
     return model
 
 
@@ -367,8 +396,7 @@ class Trainer:
                 raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
             self.optimizer.load_state_dict(st["optimizer"])
             torch.set_rng_state(st["rng"]["torch"])
-        self.compute_dtype = (torch.bfloat16 if self.device.type == "cuda" and cfg.train.compute_dtype != "fp32"
-                              else torch.float32)
+        self.compute_dtype = compute_dtype_for(cfg, self.device)
         self.gamma = cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
         self.mask_id = self.model.config.mask_token_id
         if self.ranks.rank == 0:

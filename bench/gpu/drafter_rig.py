@@ -1,7 +1,8 @@
 """The drafter as the trainer runs it, without the feed: built for the benchmark's target shape,
 stepped on synthetic or dataset batches. P5 (one GPU) and the rank-scaling run (torchrun, NCCL)
 share it, so both time the trainer's own step: DFlash loss, backward, the flat gradient
-all-reduce of drafter_trainer.train, clip, finite check, AdamW.
+all-reduce of drafter_trainer.train, clip, finite check, AdamW. `compile_mode` is drafter.compile
+(auto: compiled on CUDA, like the trainer); `model.compile_for` switches it between runs.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from bench.gpu import fixtures
 
 class DrafterRig:
     def __init__(self, manifest: dict[str, Any], device: torch.device, layers: int, block: int, anchors: int,
-                 loss_chunk: int, seed: int, attn: str = "auto") -> None:
+                 loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto") -> None:
         from common.config import DrafterConfig, default_gamma
         from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 
@@ -33,6 +34,7 @@ class DrafterRig:
         torch.manual_seed(seed)
         with torch.device(device):  # initialised where it trains: a CPU init of ~2B parameters takes long
             self.model = DFlashDraftModel(self.config, attn_impl=attn)
+        self.model.compile_for(device, compile_mode)      # as drafter_trainer.train.build_drafter does
         head_dtype = torch.bfloat16 if self.cuda else torch.float32
         self.generator = torch.Generator(device=device).manual_seed(seed)
         cfg = self.config

@@ -59,8 +59,8 @@ FULL: dict[str, Any] = dict(
     # parts
     copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=16, p2_warmup=3, p3_docs=96,
     p5_tokens=3072, p5_docs=2, anchors=512, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
-    p5_warmup=2, p5_attn="sdpa,split,flex", p5_profile=15, p6_seconds=20.0, p6_skip_steps=3, ring_slots=4,
-    matmul_n=8192, step_timeout=420.0,
+    p5_warmup=2, p5_attn="sdpa,split,flex", p5_compile="on,off", p5_profile=15, p6_seconds=20.0, p6_skip_steps=3,
+    ring_slots=4, matmul_n=8192, step_timeout=420.0,
     # issue 8: GPUs to scale over (0: all), batches per worker, full-depth layers of the real target
     # (Qwen3.5-27B capture at 1,16,31,46,61 runs 62 layers), placements "target/trainer" GPU ids
     scale_gpus=0, scale_batches=8, real_layers_computed=62, placements="", drafter_attn="",
@@ -73,9 +73,10 @@ QUICK: dict[str, Any] = dict(
     median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p3_docs=24,
     p5_tokens=256, anchors=32, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
+    p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
-              "tests/test_drafter_model.py")
+              "tests/test_drafter_model.py", "tests/test_drafter_compile.py")
 GPU_TEST_FILTER = "gpu or cuda"   # test names and the gpu marker (substring match: not "fla", which matches "dflash")
 EXPECTED_SKIPS = ("checks the behaviour without CUDA",)   # test_ring's CPU-only check, skipped on a GPU host
 STALE_ROW_REL_ERR = 0.25   # a row off by this much of its norm is another batch's, torn or zero: a copy fault
@@ -317,7 +318,8 @@ def part_p1(ctx: Ctx) -> str:
 
 
 def part_p5(ctx: Ctx) -> str:
-    """P5 at the brief's size for each attention path, a kernel profile of the fastest, then
+    """P5 at the brief's size for each attention path, eager; then the fastest path compiled
+    (drafter.compile: an A/B in one process); a kernel profile of the fastest variant, then
     drafter-alone tok/s on the dataset's own batches (P6's denominator)."""
     from bench.gpu.drafter_rig import DrafterRig
     from bench.trainer_bench import step_flops, synthetic_batch
@@ -329,9 +331,12 @@ def part_p5(ctx: Ctx) -> str:
     peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
     ctx.store.figures("p5", matmul_peak_tflops=peak, matmul_n=a.matmul_n)
     print(f"matmul {a.matmul_n}^3 peak: {peak:.1f} TFLOP/s")
-    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed)
+    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed, compile_mode="off")
     dcfg = rig.config
     impls = [x for x in a.p5_attn.split(",") if x]
+    modes = [x for x in a.p5_compile.split(",") if x]
+    if not modes or set(modes) - {"on", "off"}:
+        raise ValueError(f"--p5-compile {a.p5_compile!r}: a list of on / off")
 
     # P5: the brief's size (one 3072-token row, 512 anchors), each attention path of the drafter
     numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_max": a.anchors, "block": a.block,
@@ -347,19 +352,25 @@ def part_p5(ctx: Ctx) -> str:
         blocks = rig.blocks_for(batch, 0)
         numbers["anchors"] = blocks.num_blocks
         base_mem = torch.cuda.memory_allocated(dev) if ctx.cuda else 0
-        for impl in impls:
+
+        def measure(impl: str, compiled: bool) -> str | None:
+            """One variant, keyed "<attn>" or "<attn>+compile"; its key, None when it failed."""
+            key = impl + ("+compile" if compiled else "")
             rig.model.attn_impl = impl
-            t0 = time.perf_counter()
+            rig.model.compile_for(dev, "on" if compiled else "off")
+            t0 = time.perf_counter()   # first_steps_s: the warm-up steps, a compile included
             try:
                 times = rig.timed([(batch, blocks)], a.p5_warmup, a.p5_steps)
             except Exception as e:  # one path failing (a compile error, memory) leaves the others measured
                 traceback.print_exc()
-                numbers["variants"][impl] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                numbers["variants"][key] = {"attn": impl, "compile": compiled,
+                                            "error": f"{type(e).__name__}: {e}"[:500]}
                 rig.optimizer.zero_grad(set_to_none=True)
-                continue
+                return None
             flops = step_flops(dcfg, batch, blocks, impl)
             step_s = float(np.median(times))
-            v = {"step_s": step_s, "step_s_all": times, "first_steps_s": time.perf_counter() - t0 - sum(times),
+            v = {"attn": impl, "compile": compiled, "step_s": step_s, "step_s_all": times,
+                 "first_steps_s": time.perf_counter() - t0 - sum(times),
                  "model_tflop": flops["model_total"] / 1e12, "executed_tflop": flops["executed_total"] / 1e12,
                  "flops_by_component_tflop": {k: x / 1e12 for k, x in flops.items()},
                  "model_tflops_per_s": flops["model_total"] / step_s / 1e12,
@@ -368,19 +379,39 @@ def part_p5(ctx: Ctx) -> str:
             if ctx.cuda:
                 v["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
                 v["step_mem_above_state_gb"] = (torch.cuda.max_memory_allocated(dev) - base_mem) / 1e9
-            numbers["variants"][impl] = v
-            print(impl, json.dumps({k: x for k, x in v.items() if k != "flops_by_component_tflop"}), flush=True)
-            if best is None or v["step_s"] < numbers["variants"][best]["step_s"]:
-                best = impl
+            numbers["variants"][key] = v
+            print(key, json.dumps({k: x for k, x in v.items() if k != "flops_by_component_tflop"}), flush=True)
+            return key
+
+        def fastest(keys: list[str | None]) -> str | None:
+            done = [k for k in keys if k is not None]
+            return min(done, key=lambda k: numbers["variants"][k]["step_s"]) if done else None
+
+        # Compiling speeds up the same non-attention work on every path, so the eager ranking picks
+        # the path to compile; a compile per path would not fit the part's time limit.
+        eager_best = fastest([measure(impl, False) for impl in impls]) if "off" in modes else None
+        compiled_keys = []
+        if "on" in modes:
+            paths = [numbers["variants"][eager_best]["attn"]] if eager_best else impls
+            compiled_keys = [measure(impl, True) for impl in paths]
+        best = fastest([eager_best, *compiled_keys])
         if best is None:
             raise RuntimeError(f"every attention path failed: {numbers['variants']}")
-        numbers.update({k: x for k, x in numbers["variants"][best].items()}, attn=best)
-        rig.model.attn_impl = best
+        chosen = numbers["variants"][best]
+        numbers.update({k: x for k, x in chosen.items()}, variant=best)
+        pair = [numbers["variants"].get(k, {}) for k in (chosen["attn"], chosen["attn"] + "+compile")]
+        if all("step_s" in v for v in pair):
+            numbers["compile_ab"] = {"attn": chosen["attn"], "eager_step_s": pair[0]["step_s"],
+                                     "compiled_step_s": pair[1]["step_s"],
+                                     "saved_ms": 1e3 * (pair[0]["step_s"] - pair[1]["step_s"]),
+                                     "compile_first_steps_s": pair[1]["first_steps_s"]}
+        rig.model.attn_impl = chosen["attn"]
+        rig.model.compile_for(dev, "on" if chosen["compile"] else "off")
         if ctx.cuda and a.p5_profile:
             numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(batch, blocks), dev, top=a.p5_profile)
         print(json.dumps({k: x for k, x in numbers.items() if k != "variants"}, indent=1, default=str))
         ctx.store.benchmark("P5", {"mfu": numbers["mfu"]}, numbers)
-        ctx.store.figures("p5", best_attn=best)
+        ctx.store.figures("p5", best_attn=chosen["attn"], best_compile="on" if chosen["compile"] else "off")
         del batch, blocks
     except Exception as e:
         traceback.print_exc()
@@ -391,7 +422,8 @@ def part_p5(ctx: Ctx) -> str:
     times = rig.timed(work, a.p5_warmup, a.p5_steps)
     tokens = sum(work[i % len(work)][0].num_tokens for i in range(len(times)))
     alone = {"drafter_alone_tok_s": tokens / sum(times), "drafter_alone_step_s": float(np.median(times)),
-             "drafter_alone_tokens_per_batch": tokens / len(times), "drafter_alone_attn": rig.model.attn_impl}
+             "drafter_alone_tokens_per_batch": tokens / len(times), "drafter_alone_attn": rig.model.attn_impl,
+             "drafter_alone_compiled": rig.model.compiled}
     if ctx.cuda:
         alone["drafter_alone_peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
     ctx.store.figures("p5", **alone)

@@ -342,8 +342,15 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
     if not plan.device.startswith("cuda"):
         base_env["OMP_NUM_THREADS"] = "1"   # two services on a small CPU box
     cold_env = dict(base_env)
+    # The trainer's compile caches as production keeps them (a volume that outlives the process):
+    # the warm restart finds what the cold trainer compiled, and only that. "fresh": both start
+    # empty, as on a new host.
+    trainer_env = dict(base_env)
     if plan.cold_triton == "fresh":
         cold_env["TRITON_CACHE_DIR"] = os.path.join(plan.workdir, f"triton-cold-{os.getpid()}")
+        caches = os.path.join(plan.workdir, f"trainer-cache-{os.getpid()}")
+        trainer_env.update(TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+                           TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"))
     deadline = time.monotonic() + budget_s
     figures.update({"device": plan.device, "cold_triton_cache": plan.cold_triton,
                     "token_budget": plan.manifest["token_budget"]})
@@ -361,7 +368,7 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         t0 = time.time()
         sampler.start()
         children.spawn("target", ["target-server", "-c", cfg_path], cold_env)
-        children.spawn("trainer-cold", trainer_args("run-cold"), cold_env)
+        children.spawn("trainer-cold", trainer_args("run-cold"), trainer_env)
         cold_metrics = os.path.join(plan.workdir, "run-cold", "metrics.jsonl")
         rows = wait_metrics(children, "trainer-cold", cold_metrics, lambda r: True,
                             min(plan.step_timeout_s, left()), also_alive=("target",))
@@ -386,7 +393,7 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
 
         children.kill("trainer-cold")
         t1 = time.time()
-        children.spawn("trainer-warm", trainer_args("run-warm"), base_env)
+        children.spawn("trainer-warm", trainer_args("run-warm"), trainer_env)
         rows = wait_metrics(children, "trainer-warm", os.path.join(plan.workdir, "run-warm", "metrics.jsonl"),
                             lambda r: True, min(plan.step_timeout_s, left()), also_alive=("target",))
         figures["warm_first_step_s"] = rows[0]["time"] - t1

@@ -1,0 +1,287 @@
+"""drafter.compile: the fused cross-entropy and the compiled layers compute what the eager code did.
+
+The compiled paths run on the CPU here through inductor's C++ backend (the GPU run uses Triton,
+the same graphs): the loss head's elementwise function against the per-chunk math it replaced,
+the chunked loss against full logits, and a compiled drafter against an eager one over two
+context lengths (dynamic shapes: the second batch must neither crash nor recompile wrongly).
+Compiles are a few seconds each on two cores, so each graph is built once and shapes are tiny.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.config import ConfigError, load_config
+from drafter_trainer.blocks import build_blocks
+from drafter_trainer.loss import _ChunkedLinearCrossEntropy, cross_entropy_fn, dflash_loss, softmax_cross_entropy
+from drafter_trainer.model import DrafterConfigError
+from test_drafter_model import MASK, make_batch, make_model, tiny_config
+
+
+def per_chunk_reference(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, need_grad: bool):
+    """The loss head's per-chunk math as it was before the fusion (separate eager passes)."""
+    buf = logits.float().clone()
+    target_logit = buf.gather(1, labels[:, None]).squeeze(1)
+    correct = buf.argmax(dim=-1) == labels
+    top = buf.amax(dim=-1, keepdim=True)
+    sum_exp = buf.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    ce_sum = ((top + sum_exp.log()).squeeze(1) - target_logit).mul(w).sum()
+    if not need_grad:
+        return ce_sum, correct, None
+    buf.div_(sum_exp)
+    buf[torch.arange(labels.shape[0]), labels] -= 1.0
+    buf.mul_(w[:, None])
+    return ce_sum, correct, buf.to(logits.dtype)
+
+
+def chunk_case(rows: int, vocab: int = 300, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Logits with a planted argmax in some rows, labels at both vocabulary edges, zero weights."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[0], labels[1 % rows] = 0, vocab - 1
+    weights = torch.rand(rows, generator=g)
+    weights[2 % rows] = 0.0
+    hit = torch.arange(0, rows, 2)
+    logits[hit, labels[hit]] = 20.0             # these rows' argmax is their label
+    return logits, labels, weights
+
+
+def assert_same_head(got, want, dtype: torch.dtype, exact: bool) -> None:
+    ce, correct, grad = got
+    ce_w, correct_w, grad_w = want
+    assert correct.dtype == torch.bool and torch.equal(correct, correct_w)
+    assert ce.dtype == torch.float32 and ce.dim() == 0
+    torch.testing.assert_close(ce, ce_w, rtol=1e-6, atol=1e-5)
+    if grad_w is None:
+        assert grad is None
+        return
+    assert grad.dtype == dtype
+    if exact:
+        assert torch.equal(grad, grad_w)
+    else:       # a fused exp / sum may differ in the last bit; bf16 then rounds at most one step apart
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(grad.float(), grad_w.float(), rtol=tol, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need_grad", [True, False])
+def test_fused_cross_entropy_equals_the_per_chunk_math_it_replaced(dtype, need_grad):
+    logits, labels, weights = chunk_case(7, dtype=dtype)
+    want = per_chunk_reference(logits, labels, weights, need_grad)
+    got = softmax_cross_entropy(logits.clone(), labels, weights, need_grad)
+    assert_same_head(got, want, dtype, exact=True)
+    assert int(got[1].sum()) >= 4                                   # the planted hits are counted
+    if need_grad:
+        assert not got[2][2].any() and got[2][0].any()              # weight 0: no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtype):
+    fused = cross_entropy_fn(compiled=True)
+    for rows in (9, 5):       # the last chunk is shorter: the same graph (dynamic rows) must serve it
+        logits, labels, weights = chunk_case(rows, dtype=dtype, seed=rows)
+        want = per_chunk_reference(logits, labels, weights, True)
+        buffer = logits.clone()
+        got = fused(buffer, labels, weights, True)
+        assert got[2].data_ptr() == buffer.data_ptr(), "the gradient is written over the logits"
+        assert_same_head(got, want, dtype, exact=False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled):
+    g = torch.Generator().manual_seed(3)
+    rows, hidden_size, vocab = 11, 16, 300
+    hidden = torch.randn(rows, hidden_size, generator=g, requires_grad=True)
+    head = torch.randn(vocab, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[0], labels[-1] = 0, vocab - 1
+    weights = torch.rand(rows, generator=g)
+    weights[4] = 0.0
+
+    want = (F.cross_entropy(hidden @ head.t(), labels, reduction="none") * weights).sum()
+    (want_grad,) = torch.autograd.grad(want, hidden)
+    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, head, labels, weights, 4, True, compiled)
+    (got_grad,) = torch.autograd.grad(ce_sum * 2.0, hidden)
+    torch.testing.assert_close(ce_sum, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, 2.0 * want_grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, (hidden @ head.t()).argmax(-1) == labels)
+
+
+# split: the attention runs eager between two graphs (traced into one, it got wrong gradients);
+# one layer is enough there. flex has no CPU backward (see below).
+@pytest.mark.parametrize("impl, layers", [("sdpa", 2), ("split", 1)])
+def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
+    cfg = tiny_config(num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"][-layers:],
+                      sliding_window=5)
+    eager, compiled = make_model(cfg, std=0.05, attn_impl=impl), make_model(cfg, std=0.05, attn_impl=impl)
+    keys = list(compiled.state_dict())
+    assert compiled.compile_for("cpu", "on") and compiled.compiled
+    assert list(compiled.state_dict()) == keys and not any("_orig_mod" in k for k in keys)
+    params = {n: p for n, p in compiled.named_parameters() if p.requires_grad}
+    for docs, anchors in (([12, 22], [1, 5, 13, 20, 28]), ([30, 9, 17], [2, 6, 11, 19, 33, 40, 44])):
+        batch = make_batch(docs)
+        blocks = build_blocks(batch, torch.tensor(anchors), 4, MASK, 7.0)
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            out = dflash_loss(model, batch, blocks, chunk=8)       # the compiled loss head too
+            out.loss.backward()
+            hidden = model(batch.hidden, blocks.block_input_ids, blocks).detach()   # the same graph again
+            results.append((hidden, out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        (h_e, out_e, grads_e), (h_c, out_c, grads_c) = results
+        assert (h_c - h_e).abs().max() < 1e-5
+        assert abs(out_c.loss.item() - out_e.loss.item()) < 1e-5
+        assert torch.equal(out_c.correct_per_pos, out_e.correct_per_pos)
+        assert set(grads_c) == set(params)
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert not compiled.compile_for("cpu", "off") and compiled.layers[0]._compiled_call_impl is None
+
+
+def test_compiled_norm_rounds_to_bf16_where_eager_does():
+    # RMSNorm casts the normalised bf16 input back to bf16 before the fp32 gain (an fp32 result
+    # under autocast); a fused kernel must not skip that rounding
+    model = make_model()
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) * 3
+    with torch.no_grad():
+        want = model.norm(x)
+        model.compile_for("cpu", "on")
+        got = model.norm(x)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_inside_a_compiled_layer_traces_once_for_every_context_length():
+    """Dynamo and autograd tracing only (inductor's CPU flex kernel is not the GPU's Triton one):
+    flex is called un-wrapped inside the layer's graph, and a new batch (new BlockMask, new T)
+    reuses that graph."""
+    graphs = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    cfg = tiny_config(num_hidden_layers=2)
+    eager, compiled = make_model(cfg, attn_impl="flex"), make_model(cfg, attn_impl="flex")
+    for layer in compiled.layers:
+        layer.compile(dynamic=True, backend=counting_backend)
+    for docs, anchors in (([12, 22], [1, 5, 13, 20, 28]), ([30, 9, 17], [2, 6, 11, 19, 33, 40, 44])):
+        batch = make_batch(docs)
+        blocks = build_blocks(batch, torch.tensor(anchors), 4, MASK, 7.0)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = eager(batch.hidden, blocks.block_input_ids, blocks)
+            got = compiled(batch.hidden, blocks.block_input_ids, blocks)
+        assert (got - want).abs().max() < 1e-5
+    # one graph: both layers (same code, same mask rule) and both batches, flex inside it
+    assert len(graphs) == 1, [g.code for g in graphs]
+    assert any("flex_attention" in str(node.target) for node in graphs[0].graph.nodes)
+
+
+def test_compile_option_is_checked():
+    assert load_config(None, []).drafter.compile == "auto"
+    assert load_config(None, ["drafter.compile=off"]).drafter.compile == "off"     # YAML's bare off
+    assert load_config(None, ["drafter.compile=on"]).drafter.compile == "on"
+    with pytest.raises(ConfigError, match="drafter.compile: auto | off | on"):
+        load_config(None, ["drafter.compile=yes please"])
+    model = make_model()
+    with pytest.raises(DrafterConfigError, match="compile must be one of"):
+        model.compile_for("cpu", "always")
+    assert not model.compile_for("cpu", "auto") and not model.compiled        # auto: eager on the CPU
+    assert model.compile_for(torch.device("cuda", 0), "off") is False
+
+
+# ---- CUDA (the GPU host: pytest -k cuda tests/test_drafter_compile.py) ---------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_loss_head_equals_the_per_chunk_math_on_bf16_logits():
+    fused = cross_entropy_fn(compiled=True)
+    for rows in (64, 37):
+        logits, labels, weights = (t.cuda() for t in chunk_case(rows, vocab=50_000, dtype=torch.bfloat16, seed=rows))
+        want = per_chunk_reference(logits, labels, weights, True)
+        assert_same_head(fused(logits.clone(), labels, weights, True), want, torch.bfloat16, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+def test_cuda_compiled_drafter_agrees_with_eager_under_bf16_autocast(impl):
+    cfg = tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    results = []
+    for mode in ("off", "on"):
+        model = make_model(cfg, std=0.05, attn_impl=impl).cuda()
+        assert model.compile_for("cuda", mode) == (mode == "on")
+        for docs, anchors in (([12, 22], [1, 5, 13, 20, 28]), ([30, 9, 17], [2, 6, 11, 19, 33, 40, 44])):
+            batch = make_batch(docs).to("cuda")
+            blocks = build_blocks(batch, torch.tensor(anchors, device="cuda"), 4, MASK, 7.0)
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = dflash_loss(model, batch, blocks, chunk=8)
+            out.loss.backward()
+            results.append((out.loss.item(), model.fc.weight.grad.float().clone()))
+    for (loss_e, grad_e), (loss_c, grad_c) in zip(results[:2], results[2:]):
+        assert abs(loss_c - loss_e) < 1e-2 * max(1.0, abs(loss_e))
+        assert (grad_c - grad_e).norm() < 2e-2 * grad_e.norm()
+
+
+# ---- the trainer's kernel warm-up (drafter_trainer/warmup.py) ------------------------------------
+
+def _step(model, device: torch.device, docs: list[int], autocast: bool):
+    from drafter_trainer.blocks import sample_anchors
+
+    batch = make_batch(docs, seed=len(docs)).to(device)
+    if autocast:
+        batch.hidden = batch.hidden.to(torch.bfloat16)
+    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), 6, torch.Generator().manual_seed(0))
+    blocks = build_blocks(batch, anchors.to(device), model.config.block_size, MASK, 4.0)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = dflash_loss(model, batch, blocks, chunk=8)
+    out.loss.backward()
+    return out
+
+
+def test_warm_up_leaves_weights_and_gradients_alone_and_needs_no_target_head():
+    from drafter_trainer.model import DFlashDraftModel
+    from drafter_trainer.warmup import warm_up_kernels
+
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    headless = DFlashDraftModel(model.config)
+    headless.load_state_dict({k: v for k, v in before.items() if not k.startswith(("embed", "lm_head"))},
+                             strict=False)
+    assert not headless.embed_tokens.loaded
+    assert warm_up_kernels(headless, torch.device("cpu"), torch.float32, tokens=40, max_anchors=6, gamma=4.0) > 0
+    assert all(p.grad is None for p in headless.parameters())
+    assert warm_up_kernels(model, torch.device("cpu"), torch.float32, tokens=40, max_anchors=6, gamma=4.0) > 0
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    # a real step after the warm-up computes what it computes without one
+    fresh = make_model()
+    a, b = _step(model, torch.device("cpu"), [20, 12], False), _step(fresh, torch.device("cpu"), [20, 12], False)
+    assert torch.equal(a.loss, b.loss)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
+    from torch._dynamo.utils import counters
+
+    from drafter_trainer.warmup import warm_up_kernels
+
+    device = torch.device("cuda", 0)
+    model = make_model(attn_impl=impl).to(device)
+    model.set_target_head(model.embed_tokens.weight.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16))
+    assert model.compile_for(device, "on")
+    warm_up_kernels(model, device, torch.bfloat16, tokens=96, max_anchors=6, gamma=4.0)
+    graphs = counters["stats"]["unique_graphs"]
+    for docs in ([30, 50, 16], [7, 60]):     # two context lengths, neither the warm-up's
+        out = _step(model, device, docs, True)
+        assert torch.isfinite(out.loss)
+    assert counters["stats"]["unique_graphs"] == graphs, "the first steps compiled graphs the warm-up missed"
