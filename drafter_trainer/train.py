@@ -163,7 +163,8 @@ def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
 def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
                   times: dict[str, float] | None = None, warm_up: bool | None = None) -> DFlashDraftModel:
     """The drafter for `target` (WELCOME's target info: model_path, layer_ids); `times` gets the
-    seconds of the build, of reading the target's embedding and head, and of the kernel warm-up.
+    seconds of the build (with compile_for), of reading the target's embedding and head, and of the
+    kernel warm-up.
 
     warm_up (default: on CUDA) compiles the step's kernels on random inputs (drafter_trainer.warmup)
     while another thread reads the head from disk: the two overlap, and the first real step finds
@@ -178,8 +179,6 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
     # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
     with device:
         model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
-    model.compile_for(device, cfg.drafter.compile)     # lazy: the warm-up or the first step compiles
-    t1 = time.perf_counter()
     head_s: list[float] = []
 
     def read_head() -> None:
@@ -191,6 +190,9 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
         warm_up = device.type == "cuda"
     with ThreadPoolExecutor(1, thread_name_prefix="target-head") as pool:
         head = pool.submit(read_head)
+        # compile_for is lazy but imports dynamo and inductor (seconds on the H200): beside the head read
+        model.compile_for(device, cfg.drafter.compile)
+        t1 = time.perf_counter()
         warm_s = (warm_up_kernels(model, device, compute_dtype_for(cfg, device), cfg.data.token_budget,
                                   cfg.drafter.max_anchors, cfg.drafter.gamma or default_gamma(cfg.drafter.block_size))
                   if warm_up else 0.0)

@@ -230,14 +230,14 @@ def test_cuda_compiled_drafter_agrees_with_eager_under_bf16_autocast(impl):
 
 # ---- the trainer's kernel warm-up (drafter_trainer/warmup.py) ------------------------------------
 
-def _step(model, device: torch.device, docs: list[int], autocast: bool):
+def _step(model, device: torch.device, docs: list[int], autocast: bool, anchors: int = 6):
     from drafter_trainer.blocks import sample_anchors
 
     batch = make_batch(docs, seed=len(docs)).to(device)
     if autocast:
         batch.hidden = batch.hidden.to(torch.bfloat16)
-    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), 6, torch.Generator().manual_seed(0))
-    blocks = build_blocks(batch, anchors.to(device), model.config.block_size, MASK, 4.0)
+    picked = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), anchors, torch.Generator().manual_seed(0))
+    blocks = build_blocks(batch, picked.to(device), model.config.block_size, MASK, 4.0)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         out = dflash_loss(model, batch, blocks, chunk=8)
     out.loss.backward()
@@ -279,9 +279,10 @@ def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
     model = make_model(attn_impl=impl).to(device)
     model.set_target_head(model.embed_tokens.weight.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16))
     assert model.compile_for(device, "on")
-    warm_up_kernels(model, device, torch.bfloat16, tokens=96, max_anchors=6, gamma=4.0)
+    warm_up_kernels(model, device, torch.bfloat16, tokens=400, max_anchors=40, gamma=4.0)
     graphs = counters["stats"]["unique_graphs"]
-    for docs in ([30, 50, 16], [7, 60]):     # two context lengths, neither the warm-up's
-        out = _step(model, device, docs, True)
+    # two context lengths, neither the warm-up's; 40 blocks of 4: more query rows than one flex tile
+    for docs in ([130, 150, 96], [47, 260]):
+        out = _step(model, device, docs, True, anchors=40)
         assert torch.isfinite(out.loss)
     assert counters["stats"]["unique_graphs"] == graphs, "the first steps compiled graphs the warm-up missed"
