@@ -140,3 +140,32 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from drafter_trainer import train
+    from target_server.tiny import build_tiny_target
+
+    target = build_tiny_target(str(tmp_path / "t"), num_layers=4,
+                               tokenizer_dir=str(REPO / "configs" / "demo" / "tokenizer"))
+    cfg = _cfg(target, [0, 1, 3])
+    cfg.data.token_budget, cfg.drafter.max_anchors = 64, 8
+    info = expected_target(cfg)
+    assert info is not None
+    times: dict[str, float] = {}
+    model = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=True)
+    assert model.embed_tokens.loaded and model.lm_head.loaded
+    assert times["warmup_s"] > 0 and times["head_s"] > 0
+    assert times["build_head_warmup_s"] >= times["warmup_s"]
+    assert all(p.grad is None for p in model.parameters())
+
+    def broken(*_args: object, **_kwargs: object) -> float:
+        raise RuntimeError("inductor exploded")
+    monkeypatch.setattr(train, "warm_up_kernels", broken)
+    with caplog.at_level("WARNING"):
+        model = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=True)
+    assert model.lm_head.loaded
+    assert "kernel warm-up failed" in caplog.text and "inductor exploded" in caplog.text
