@@ -33,6 +33,7 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     figures = {p: results["parts"][p].get("figures", {}) for p in PARTS}
     assert figures["p1"]["variants"] and figures["p5"]["best_attn"] in ("split", "sdpa")
     assert set(figures["scale"]["target"]) == {"1", "2"} and set(figures["scale"]["drafter"]) == {"1", "2"}
+    assert all(v["bare_tok_s"] > 0 and v["worker_over_bare"] > 0 for v in figures["scale"]["target"].values())
     assert figures["scale"]["split"]["proxy"]["8"]["best"]["target_gpus"] >= 1
     placement = figures["placements"]["0-0"]
     assert placement["together_tok_s"] > 0 and placement["produced_tok_s"] is not None
@@ -92,3 +93,27 @@ def test_killing_a_service_also_kills_ranks_in_sessions_of_their_own(tmp_path: P
             os.kill(rank_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_bare_forward_baseline_times_all_but_each_runners_first_batch() -> None:
+    import time
+
+    import torch
+
+    from bench.gpu.gpu_bench import bare_forward_tok_s
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def capture(self, ids: torch.Tensor, *_rest: torch.Tensor) -> None:
+            self.calls += 1
+            time.sleep(0.5 if self.calls == 1 else 0.02)   # a slow first batch must not count
+
+    runners = [Runner(), Runner()]
+    batches = [(torch.zeros(100), torch.zeros(100), torch.zeros(1)) for _ in range(6)]
+    rate = bare_forward_tok_s(runners, batches)
+    assert [r.calls for r in runners] == [3, 3]
+    assert 400 / 0.2 < rate < 400 / 0.04        # 4 timed batches of 100 tokens, two at a time

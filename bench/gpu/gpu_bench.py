@@ -621,7 +621,7 @@ def part_scale(ctx: Ctx) -> str:
 
     from bench.gpu.worker_harness import run_workers, worker_config
     from target_server.data import PreparedDataset
-    from target_server.packer import Packer
+    from target_server.packer import Packer, build_packed
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
@@ -640,12 +640,17 @@ def part_scale(ctx: Ctx) -> str:
     for n in range(1, top + 1):
         cfg = worker_config(budget, max_len, ctx.ring_name(f"scale{n}"), ctx.shm_dir, a.ring_slots,
                             ctx.cuda_register(), a.audit_every)
-        run = run_workers(runners[:n], cfg, dataset, packer, list(range(a.scale_batches * n)))
+        seqs = list(range(a.scale_batches * n))
+        run = run_workers(runners[:n], cfg, dataset, packer, seqs)
         tok_s = run.tokens_per_s(n)   # from the n-th publish on: every worker past its first batch
         one = figures["target"].get("1", {}).get("tok_s", tok_s)
+        bare = bare_forward_tok_s(runners[:n], [fixtures.batch_tensors(build_packed(dataset, packer.batch(q)))
+                                                for q in seqs])
         figures["target"][str(n)] = {"tok_s": tok_s, "efficiency": tok_s / (n * one),
-                                     "batches": a.scale_batches * n, "quarantined": len(run.quarantined)}
-        print(f"target workers {n}: {tok_s:,.0f} tok/s, efficiency {tok_s / (n * one):.3f}", flush=True)
+                                     "batches": a.scale_batches * n, "quarantined": len(run.quarantined),
+                                     "bare_tok_s": bare, "worker_over_bare": tok_s / bare}
+        print(f"target workers {n}: {tok_s:,.0f} tok/s, efficiency {tok_s / (n * one):.3f}, "
+              f"P2 {tok_s / bare:.3f} (bare forward {bare:,.0f})", flush=True)
         ctx.store.figures("scale", **figures)
     del runners, run
     gc.collect()
@@ -683,6 +688,48 @@ def part_scale(ctx: Ctx) -> str:
     ctx.store.figures("scale", **figures)
     print(json.dumps(figures["split"], indent=1))
     return "measured"
+
+
+def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...]]) -> float:
+    """P2's baseline for N workers: each runner's thread runs `capture` over its share of the
+    batches (round robin, as the dispatcher hands them out), no ring, no publishing. Each thread's
+    first batch is untimed, as the worker rate starts after every worker's first publish."""
+    import threading
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(runners) + 1)
+
+    def loop(runner: Any, share: list[tuple[torch.Tensor, ...]]) -> None:
+        try:
+            for i, b in enumerate(share):
+                if i == 1:
+                    start.wait()
+                runner.capture(*b)
+                if runner.device.type == "cuda" and i == 0:
+                    torch.cuda.synchronize(runner.device)
+            if len(share) < 2:
+                start.wait()
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+        except BaseException as e:   # reported below, in the caller's thread
+            errors.append(e)
+            start.abort()
+
+    shares = [batches[i::len(runners)] for i in range(len(runners))]
+    threads = [threading.Thread(target=loop, args=(r, sh)) for r, sh in zip(runners, shares)]
+    for t in threads:
+        t.start()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    timed_tokens = sum(int(b[0].numel()) for sh in shares for b in sh[1:])
+    return timed_tokens / (time.perf_counter() - t0)
 
 
 def recommend_split(target: dict[str, Any], drafter: dict[str, Any], depth_scale: float,
