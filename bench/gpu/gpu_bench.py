@@ -495,36 +495,40 @@ def part_p23(ctx: Ctx) -> str:
         ctx.store.benchmark_error("P2", f"{type(e).__name__}: {e}", numbers)
 
     # P3: packed (varlen) vs padded (transformers' batched forward), bench/target_bench's own runs
-    numbers = {"docs": a.p3_docs, "median": a.median, "sigma": a.sigma, "max_len": max_len, "token_budget": budget}
-    try:
-        from bench.target_bench import lognormal_lengths, pack_rows, run_packed, run_padded
+    # --p3-docs 0: P3 not run (its padded baseline is the slow half of the part; P2 alone is quick)
+    if a.p3_docs <= 0:
+        ctx.store.benchmark_error("P3", "not run: --p3-docs 0")
+    else:
+        numbers = {"docs": a.p3_docs, "median": a.median, "sigma": a.sigma, "max_len": max_len, "token_budget": budget}
+        try:
+            from bench.target_bench import lognormal_lengths, pack_rows, run_packed, run_padded
 
-        lens = lognormal_lengths(a.p3_docs, a.median, a.sigma, max_len, a.seed + 1)
-        g = torch.Generator().manual_seed(a.seed + 1)
-        top = min(runner.vocab_size, manifest["shape"]["mask_token_id"])
-        docs = [torch.randint(0, top, (n,), generator=g) for n in lens]
-        rows = pack_rows(lens, budget)
-        per_batch = max(1, budget // max_len)
-        real = sum(lens)
-        # each run twice: the first pays for new kernel shapes (padded widths, autotune)
-        for _ in range(2):
-            _, t_packed = run_packed(runner, docs, rows)
-        for _ in range(2):
-            computed_padded, t_padded = run_padded(runner, docs, per_batch)
-        packed_computed = sum(sum(lens[i] for i in row) for row in rows)
-        numbers.update({"real_tokens": real, "packed_rows": len(rows), "packed_fill": real / (len(rows) * budget),
-                        "padded_batch_docs": per_batch, "packed_tok_s": real / t_packed,
-                        "padded_tok_s": real / t_padded,
-                        "packed_computed_over_real": packed_computed / real,
-                        "padded_computed_over_real": computed_padded / real,
-                        "static_padded_computed_over_real": len(lens) * max_len / real})
-        print(json.dumps(numbers, indent=1))
-        ctx.store.benchmark("P3", {"packed_over_padded_tok_s": numbers["packed_tok_s"] / numbers["padded_tok_s"],
-                                   "packed_computed_over_real": numbers["packed_computed_over_real"]}, numbers)
-    except Exception as e:
-        traceback.print_exc()
-        failed.append("P3")
-        ctx.store.benchmark_error("P3", f"{type(e).__name__}: {e}", numbers)
+            lens = lognormal_lengths(a.p3_docs, a.median, a.sigma, max_len, a.seed + 1)
+            g = torch.Generator().manual_seed(a.seed + 1)
+            top = min(runner.vocab_size, manifest["shape"]["mask_token_id"])
+            docs = [torch.randint(0, top, (n,), generator=g) for n in lens]
+            rows = pack_rows(lens, budget)
+            per_batch = max(1, budget // max_len)
+            real = sum(lens)
+            # each run twice: the first pays for new kernel shapes (padded widths, autotune)
+            for _ in range(2):
+                _, t_packed = run_packed(runner, docs, rows)
+            for _ in range(2):
+                computed_padded, t_padded = run_padded(runner, docs, per_batch)
+            packed_computed = sum(sum(lens[i] for i in row) for row in rows)
+            numbers.update({"real_tokens": real, "packed_rows": len(rows), "packed_fill": real / (len(rows) * budget),
+                            "padded_batch_docs": per_batch, "packed_tok_s": real / t_packed,
+                            "padded_tok_s": real / t_padded,
+                            "packed_computed_over_real": packed_computed / real,
+                            "padded_computed_over_real": computed_padded / real,
+                            "static_padded_computed_over_real": len(lens) * max_len / real})
+            print(json.dumps(numbers, indent=1))
+            ctx.store.benchmark("P3", {"packed_over_padded_tok_s": numbers["packed_tok_s"] / numbers["padded_tok_s"],
+                                       "packed_computed_over_real": numbers["packed_computed_over_real"]}, numbers)
+        except Exception as e:
+            traceback.print_exc()
+            failed.append("P3")
+            ctx.store.benchmark_error("P3", f"{type(e).__name__}: {e}", numbers)
     if failed:
         raise RuntimeError(f"{', '.join(failed)} failed (see the log)")
     return "measured"
