@@ -52,7 +52,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .target_head import text_config
-from .warmup import warm_up_kernels
+from .warmup import preload_compiler, warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,8 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if cfg.drafter.compile != "off" and cfg.train.device != "cpu" and torch.cuda.is_available():
+            preload_compiler()
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
         self.flags = TrainerFlags()

@@ -18,6 +18,7 @@ with flex attention). The second pass takes it here instead.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -26,6 +27,27 @@ from common.batch import PackedBatch
 from drafter_trainer.blocks import build_blocks, sample_anchors
 from drafter_trainer.loss import cross_entropy_fn
 from drafter_trainer.model import DFlashDraftModel
+
+
+def preload_compiler() -> threading.Thread:
+    """Import torch's compiler stack (dynamo, inductor) in a background thread and return it.
+
+    `compile_for` needs those modules, and importing them took 7 s of a restart on the H200
+    host; started first thing, the import runs beside the CUDA and process-group set-up, the
+    endpoints and the connection instead of after them (Python's per-module import locks make a
+    later import in the main thread wait for this one rather than run it twice).
+    """
+    def load() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.config  # noqa: F401
+        except Exception:  # the main thread's own import reports it, with its traceback
+            pass
+
+    thread = threading.Thread(target=load, name="preload-compiler", daemon=True)
+    thread.start()
+    return thread
+
 
 WARMUP_DOCS = 4            # documents in the random batch: block masks with several documents
 WARMUP_LOSS_ROWS = 64      # rows of the random logits the cross-entropy is compiled on

@@ -169,3 +169,15 @@ def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_
         model = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=True)
     assert model.lm_head.loaded
     assert "kernel warm-up failed" in caplog.text and "inductor exploded" in caplog.text
+
+
+def test_the_compiler_stack_is_imported_in_the_background() -> None:
+    probe = ("import sys, time\n"
+             "from drafter_trainer.warmup import preload_compiler\n"
+             "before = 'torch._dynamo' in sys.modules\n"
+             "t = preload_compiler()\n"
+             "t.join(120)\n"
+             "print(before, t.name, 'torch._dynamo' in sys.modules, 'torch._inductor.config' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "preload-compiler", "True", "True"], out.stdout
