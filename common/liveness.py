@@ -30,8 +30,8 @@ import time
 PROBE_GRACE_S = 0.05
 
 
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time) of a process, None if there is no such process."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat from field 3 (state) on; None if there is no such process."""
     if pid <= 0:
         return None
     try:
@@ -42,8 +42,25 @@ def _read_stat(pid: int) -> tuple[str, int] | None:
     # The command name (field 2) is in parentheses and may itself contain ") ", so split after
     # the LAST ')'; the remaining fields start at field 3 (state).
     try:
-        rest = raw[raw.rindex(b")") + 2:].split()
-        return rest[0].decode(), int(rest[19])
+        return raw[raw.rindex(b")") + 2:].split()
+    except ValueError:
+        return None
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) of a process, None if there is no such process."""
+    rest = _stat_fields(pid)
+    try:
+        return None if rest is None else (rest[0].decode(), int(rest[19]))
+    except (ValueError, IndexError):
+        return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (/proc/<pid>/stat field 4), None if there is no such process."""
+    rest = _stat_fields(pid)
+    try:
+        return None if rest is None else int(rest[1])
     except (ValueError, IndexError):
         return None
 

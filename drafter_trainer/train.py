@@ -160,6 +160,11 @@ def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and cfg.train.compute_dtype != "fp32" else torch.float32
 
 
+def drafter_gamma(cfg: Config) -> float:
+    """The loss decay per block position: drafter.gamma, or the published default for the block size."""
+    return cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
+
+
 def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
                   times: dict[str, float] | None = None, warm_up: bool | None = None) -> DFlashDraftModel:
     """The drafter for `target` (WELCOME's target info: model_path, layer_ids); `times` gets the
@@ -179,12 +184,10 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
     # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
     with device:
         model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
-    head_s: list[float] = []
-
-    def read_head() -> None:
+    def read_head() -> float:
         t = time.perf_counter()
         model.load_target_head(target_dir)
-        head_s.append(time.perf_counter() - t)
+        return time.perf_counter() - t
 
     if warm_up is None:
         warm_up = device.type == "cuda"
@@ -197,18 +200,17 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
         if warm_up:
             try:
                 warm_s = warm_up_kernels(model, device, compute_dtype_for(cfg, device), cfg.data.token_budget,
-                                         cfg.drafter.max_anchors,
-                                         cfg.drafter.gamma or default_gamma(cfg.drafter.block_size))
+                                         cfg.drafter.max_anchors, drafter_gamma(cfg))
             except Exception as e:   # an optimisation only: the first step compiles (and fails) for itself
                 log.warning("kernel warm-up failed, the first step will compile instead: %s: %s",
                             type(e).__name__, e)
                 for p in model.parameters():
                     p.grad = None
                 warm_s = time.perf_counter() - t1
-        head.result()        # re-raises the reader's error (a missing or mis-shaped head)
+        head_s = head.result()        # re-raises the reader's error (a missing or mis-shaped head)
     if times is not None:
         times["build_s"] = t1 - t0
-        times["head_s"] = head_s[0]
+        times["head_s"] = head_s
         times["warmup_s"] = warm_s
         times["build_head_warmup_s"] = time.perf_counter() - t0
     return model
@@ -410,7 +412,7 @@ class Trainer:
             self.optimizer.load_state_dict(st["optimizer"])
             torch.set_rng_state(st["rng"]["torch"])
         self.compute_dtype = compute_dtype_for(cfg, self.device)
-        self.gamma = cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
+        self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
         if self.ranks.rank == 0:
             os.makedirs(self.out_dir, exist_ok=True)

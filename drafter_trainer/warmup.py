@@ -53,22 +53,21 @@ WARMUP_DOCS = 4            # documents in the random batch: block masks with sev
 WARMUP_LOSS_ROWS = 64      # rows of the random logits the cross-entropy is compiled on
 
 
-def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hidden_dtype: torch.dtype,
-                 seed: int = 0) -> PackedBatch:
-    """`tokens` random tokens in WARMUP_DOCS documents, every token in the loss, random captured planes."""
+def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hidden_dtype: torch.dtype) -> PackedBatch:
+    """`tokens` random tokens in WARMUP_DOCS documents, every token in the loss, random captured
+    planes drawn on the device (at 27B widths they are 1.7 GB: a CPU draw would cost seconds)."""
     cfg = model.config
-    g = torch.Generator().manual_seed(seed)
     docs = max(1, min(WARMUP_DOCS, tokens // 2))
     lens = torch.full((docs,), tokens // docs, dtype=torch.int64)
     lens[-1] += tokens - int(lens.sum())
     return PackedBatch(
-        hidden=torch.randn(cfg.num_context_layers, tokens, cfg.hidden_size, generator=g).to(hidden_dtype),
-        input_ids=torch.randint(0, cfg.vocab_size, (tokens,), generator=g),
-        loss_mask=torch.ones(tokens, dtype=torch.int64),
-        position_ids=torch.cat([torch.arange(int(n)) for n in lens]),
-        doc_lens=lens,
-        sample_ids=torch.arange(docs),
-    ).to(device)
+        hidden=torch.randn(cfg.num_context_layers, tokens, cfg.hidden_size, device=device, dtype=hidden_dtype),
+        input_ids=torch.randint(0, cfg.vocab_size, (tokens,), device=device),
+        loss_mask=torch.ones(tokens, dtype=torch.int64, device=device),
+        position_ids=torch.cat([torch.arange(int(n)) for n in lens]).to(device),
+        doc_lens=lens.to(device),
+        sample_ids=torch.arange(docs, device=device),
+    )
 
 
 def warm_up_kernels(model: DFlashDraftModel, device: torch.device, compute_dtype: torch.dtype, tokens: int,
@@ -78,19 +77,20 @@ def warm_up_kernels(model: DFlashDraftModel, device: torch.device, compute_dtype
     t0 = time.perf_counter()
     for length in sorted({tokens, max(2, tokens - tokens // 8) | 1}, reverse=True):
         warm_up_once(model, device, compute_dtype, length, max_anchors, gamma)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: torch.dtype, tokens: int,
-                 max_anchors: int, gamma: float) -> float:
-    """One forward and backward of everything after the frozen embedding, on random inputs; returns
-    the seconds it took. Needs no target head; leaves the weights and their gradients as they were
+                 max_anchors: int, gamma: float) -> None:
+    """One forward and backward of everything after the frozen embedding, on random inputs. Needs
+    no target head; leaves the weights and their gradients as they were
     (the gradients it makes are dropped), and the optimizer is not involved.
 
     The random planes are in `compute_dtype`, which is what the target sends by default (bf16 on
     CUDA): compiled graphs are specialised on dtypes, so planes of another dtype would compile again.
     """
-    t0 = time.perf_counter()
     cfg = model.config
     batch = random_batch(model, tokens, device, compute_dtype)
     g = torch.Generator().manual_seed(1)
@@ -115,6 +115,3 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         weights = torch.rand(WARMUP_LOSS_ROWS, device=device)
         for need_grad in (True, False):
             cross_entropy_fn(True)(logits.clone(), labels, weights, need_grad)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0

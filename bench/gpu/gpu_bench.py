@@ -705,16 +705,15 @@ def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...
 
     def loop(runner: Any, share: list[tuple[torch.Tensor, ...]]) -> None:
         try:
-            for i, b in enumerate(share):
-                if i == 1:
-                    start.wait()
+            for b in share[:1]:
                 runner.capture(*b)
-                if runner.device.type == "cuda" and i == 0:
-                    torch.cuda.synchronize(runner.device)
-            if len(share) < 2:
-                start.wait()
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
+            fixtures.synchronize(runner.device)
+            start.wait()
+            for b in share[1:]:
+                runner.capture(*b)
+            fixtures.synchronize(runner.device)
+        except threading.BrokenBarrierError:
+            pass   # another thread failed: its error is the one reported
         except BaseException as e:   # reported below, in the caller's thread
             errors.append(e)
             start.abort()

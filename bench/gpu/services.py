@@ -89,16 +89,9 @@ def write_config(plan: ServicePlan) -> str:
 
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...), from /proc."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read()
-            parent_of[int(entry)] = int(raw[raw.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
+    from common.liveness import parent_pid
+
+    parent_of = {int(e): parent_pid(int(e)) for e in os.listdir("/proc") if e.isdigit()}
     found, frontier = [], [pid]
     while frontier:
         kids = [c for c, p in parent_of.items() if p in frontier]
