@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .target_head import text_config
-from .warmup import preload_compiler, warm_up_kernels
+from .warmup import CompileBehind, needs_compiling, preload_compiler, warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +166,23 @@ def drafter_gamma(cfg: Config) -> float:
     return cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
 
 
-def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
-                  times: dict[str, float] | None = None, warm_up: bool | None = None) -> DFlashDraftModel:
-    """The drafter for `target` (WELCOME's target info: model_path, layer_ids); `times` gets the
-    seconds of the build (with compile_for), of reading the target's embedding and head, and of the
-    kernel warm-up.
+def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, times: dict[str, float] | None = None,
+                  warm_up: str | None = None) -> tuple[DFlashDraftModel, CompileBehind | None]:
+    """The drafter for `target` (WELCOME's target info: model_path, layer_ids), and the background
+    compile it steps behind, if any; `times` gets the seconds of the build, of reading the target's
+    embedding and head, and of a warm-up before the first step.
 
-    warm_up (default: on CUDA) compiles the step's kernels on random inputs (drafter_trainer.warmup)
-    while another thread reads the head from disk: the two overlap, and the first real step finds
-    its kernels compiled.
+    warm_up (default `drafter.warm_up`): "behind" returns the model eager and a `CompileBehind`
+    that compiles its kernels beside the first steps (nothing to compile: neither); "before"
+    compiles the kernels on random inputs now, while another thread reads the head, so the first
+    step runs compiled; "off" compiles nothing ahead (the first step does).
     """
     target_dir = target["model_path"]
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
         target_config = json.load(f)
     dcfg = DFlashConfig.from_target(target_config, cfg.drafter, list(target["layer_ids"]),
                                     mask_token_id(cfg, target_dir))
+    mode = warm_up or cfg.drafter.warm_up
     t0 = time.perf_counter()
     # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
     with device:
@@ -189,15 +192,19 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
         model.load_target_head(target_dir)
         return time.perf_counter() - t
 
-    if warm_up is None:
-        warm_up = device.type == "cuda"
+    behind = None
     with ThreadPoolExecutor(1, thread_name_prefix="target-head") as pool:
         head = pool.submit(read_head)
-        # compile_for is lazy but imports dynamo and inductor (seconds on the H200): beside the head read
-        model.compile_for(device, cfg.drafter.compile)
+        if mode == "behind":
+            if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device):
+                behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
+                                       cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
+        else:
+            # compile_for is lazy but imports dynamo and inductor (seconds on the H200): beside the head read
+            model.compile_for(device, cfg.drafter.compile)
         t1 = time.perf_counter()
         warm_s = 0.0
-        if warm_up:
+        if mode == "before":
             try:
                 warm_s = warm_up_kernels(model, device, compute_dtype_for(cfg, device), cfg.data.token_budget,
                                          cfg.drafter.max_anchors, drafter_gamma(cfg))
@@ -213,7 +220,7 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device,
         times["head_s"] = head_s
         times["warmup_s"] = warm_s
         times["build_head_warmup_s"] = time.perf_counter() - t0
-    return model
+    return model, behind
 
 
 def expected_target(cfg: Config) -> dict[str, Any] | None:
@@ -262,6 +269,9 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
         i += n
 
 
+PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop, the background compile)
+
+
 # ---- the trainer -------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config) -> None:
@@ -293,6 +303,8 @@ class Trainer:
         self.metrics_file = None
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
+        self.behind: CompileBehind | None = None       # the kernels compiling beside the first steps
+        self.compile_state: dict[str, Any] = {"state": "building"}   # -> eager | compiling -> compiled | failed
 
     # status is read by the control thread: only plain values
     def status(self) -> dict[str, Any]:
@@ -310,7 +322,7 @@ class Trainer:
                 "feed": {"state": feed.state, **feed.counters} if feed else None,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
-                "eval": self.last_eval}
+                "eval": self.last_eval, "compile": dict(self.compile_state)}
 
     def _samples_by_epoch(self) -> dict[int, np.ndarray]:
         return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in self.trained_samples.items()}
@@ -385,22 +397,23 @@ class Trainer:
         # The drafter is built while the feed connects: on a restart against a warm target the two
         # overlap, and the build is most of the time to the first step.
         guess = expected_target(cfg)
-        model = build_drafter(cfg, guess, self.device, self.startup) if guess is not None else None
+        built = build_drafter(cfg, guess, self.device, self.startup) if guess is not None else None
         welcome = self.feed.wait_welcome(timeout=None)
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
             raise RuntimeError(f"feed failed: {self.feed.error}")
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
-        if model is None or not same_target(guess, welcome.target):
-            if model is not None:
+        if built is None or not same_target(guess, welcome.target):
+            if built is not None:
                 log.info("the target server runs %s layers %s, not the configured %s layers %s: rebuilding the "
                          "drafter", welcome.target.get("model_path"), welcome.target.get("layer_ids"),
                          guess["model_path"], guess["layer_ids"])
-                del model
-            model = build_drafter(cfg, welcome.target, self.device, self.startup)
+                del built     # a background compile of it runs out on its own and is never switched to
+            built = build_drafter(cfg, welcome.target, self.device, self.startup)
         t0 = time.perf_counter()
-        self.model = model
+        self.model, self.behind = built
+        self.compile_state = {"state": "compiling" if self.behind else "compiled" if self.model.compiled else "eager"}
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, cfg.train, self.device)
@@ -437,6 +450,7 @@ class Trainer:
     def _next_batch(self, ends_seen: set[int]):
         """This step's batch, or None (epoch markers are consumed here)."""
         if self.flags.drain or self.flags.paused:
+            time.sleep(PAUSED_POLL_S)    # not a hot loop: a paused trainer may idle for hours
             return None
         deadline = time.monotonic() + (0.5 if self.ranks.world > 1 else 1.0)
         while time.monotonic() < deadline:
@@ -453,7 +467,7 @@ class Trainer:
         anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.cfg.drafter.max_anchors, gen)
         return build_blocks(batch, anchors.to(self.device), self.cfg.drafter.block_size, self.mask_id, self.gamma)
 
-    def _record(self, batch, out, lr: float, step_s: float) -> None:
+    def _record(self, batch, out, lr: float, step_s: float, wait_s: float) -> None:
         self.trained.add(batch.seq)
         self.trained_samples.setdefault(batch.epoch, []).append(batch.sample_ids.cpu().numpy().astype(np.int64))
         self.epoch = max(self.epoch, batch.epoch)
@@ -467,7 +481,7 @@ class Trainer:
             tau = implied_acceptance_length(torch.tensor(self.acc_per_pos))
             rec = {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr, "tau": tau,
                    "tokens_per_s": batch.num_tokens * self.ranks.world / max(step_s, 1e-9),
-                   "anchors": out.num_anchors, "step_s": step_s, "time": time.time()}
+                   "anchors": out.num_anchors, "step_s": step_s, "wait_s": wait_s, "time": time.time()}
             log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
                      self.last_loss, lr, tau, rec["tokens_per_s"])
             self.metrics_file.write(json.dumps(rec) + "\n")
@@ -484,6 +498,8 @@ class Trainer:
         ends_seen: set[int] = set()
         loop_start = time.perf_counter()
         while True:
+            if self.behind is not None:
+                self._switch_if_compiled()
             t0 = time.perf_counter()
             with self.stages.time("wait_batch"):
                 batch = self._next_batch(ends_seen)
@@ -549,7 +565,7 @@ class Trainer:
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
             if batch is not None:
-                self._record(batch, out, lr, time.perf_counter() - t0)
+                self._record(batch, out, lr, time.perf_counter() - t0, batch_at - t0)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:
                 self._eval_and_report()
 
@@ -619,6 +635,15 @@ class Trainer:
         if getattr(self, "wandb", None) is not None:
             self.wandb.log({"eval/tau": result["tau"], "eval/loss": result["loss"]}, step=self.step)
 
+    def _switch_if_compiled(self) -> None:
+        """Between steps: run compiled from here on once the background compile is ready."""
+        assert self.behind is not None
+        if not self.behind.switch_if_ready():
+            return
+        b, self.behind = self.behind, None
+        self.compile_state = {"state": b.state, "seconds": round(b.seconds or 0.0, 3), "at_step": self.step,
+                              **({"error": b.error} if b.error else {})}
+
     def _first_step_done(self, loop_start: float, batch_at: float) -> None:
         self.startup["first_batch_wait_s"] = batch_at - loop_start
         self.startup["first_step_s"] = time.perf_counter() - batch_at
@@ -660,11 +685,21 @@ def main(cfg: Config) -> int:
     signal.signal(signal.SIGINT, _on_term)
     if "TORCHELASTIC_RUN_ID" in os.environ:   # a torchrun rank: stop (and checkpoint) if torchrun dies
         signal_on_parent_death(signal.SIGTERM)
+    rc = EXIT_FAILED
     try:
         trainer.setup()
-        return trainer.train_loop()
+        rc = trainer.train_loop()
     except Exception as e:
         log.exception("trainer failed: %s", e)
-        return EXIT_FAILED
     finally:
         trainer.close()
+    if trainer.behind is not None and trainer.behind.running:
+        # Stopped while the compile thread is still inside dynamo/inductor: interpreter shutdown
+        # would tear down modules (and CUDA) under it, which can abort the process and turn a clean
+        # stop into a crash exit. Everything of ours is closed and the checkpoint written.
+        log.info("exiting while the background compile is still running (it is dropped)")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc

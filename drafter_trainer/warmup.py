@@ -15,13 +15,23 @@ closure) become constants until a second value shows up, and inductor may assume
 multiple of 16. Real packed rows have every length up to the budget, so the first real batch
 would trigger that one recompile (seen on the H200: one graph more after a single-shape warm-up
 with flex attention). The second pass takes it here instead.
+
+Tracing those graphs is still seconds in every new process (dynamo keeps no cache across
+processes). `CompileBehind` takes that off a restart's critical path: the trainer steps eagerly
+from its first batch while a background thread compiles and warms up the same kernels on a
+*shadow* drafter (same shapes, same weight memory), and switches to the compiled step at a step
+boundary once they are ready. Compiled code is found by the code object and guards, not by the
+module instance, so the model itself then compiles nothing more.
 """
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 
 import torch
+from torch import nn
 
 from common.batch import PackedBatch
 from drafter_trainer.blocks import build_blocks, sample_anchors
@@ -51,9 +61,13 @@ def preload_compiler() -> threading.Thread:
 
 WARMUP_DOCS = 4            # documents in the random batch: block masks with several documents
 WARMUP_LOSS_ROWS = 64      # rows of the random logits the cross-entropy is compiled on
+WARMUP_SEED = 1            # the warm-up's own generators: it draws nothing from the training's RNG
+
+log = logging.getLogger("dfpipe.trainer")
 
 
-def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hidden_dtype: torch.dtype) -> PackedBatch:
+def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hidden_dtype: torch.dtype,
+                 gen: torch.Generator) -> PackedBatch:
     """`tokens` random tokens in WARMUP_DOCS documents, every token in the loss, random captured
     planes drawn on the device (at 27B widths they are 1.7 GB: a CPU draw would cost seconds)."""
     cfg = model.config
@@ -61,8 +75,9 @@ def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hid
     lens = torch.full((docs,), tokens // docs, dtype=torch.int64)
     lens[-1] += tokens - int(lens.sum())
     return PackedBatch(
-        hidden=torch.randn(cfg.num_context_layers, tokens, cfg.hidden_size, device=device, dtype=hidden_dtype),
-        input_ids=torch.randint(0, cfg.vocab_size, (tokens,), device=device),
+        hidden=torch.randn(cfg.num_context_layers, tokens, cfg.hidden_size, device=device, dtype=hidden_dtype,
+                           generator=gen),
+        input_ids=torch.randint(0, cfg.vocab_size, (tokens,), device=device, generator=gen),
         loss_mask=torch.ones(tokens, dtype=torch.int64, device=device),
         position_ids=torch.cat([torch.arange(int(n)) for n in lens]).to(device),
         doc_lens=lens.to(device),
@@ -75,15 +90,16 @@ def warm_up_kernels(model: DFlashDraftModel, device: torch.device, compute_dtype
     """Warm up on a full batch of `tokens`, then on a shorter one of odd length (see the module
     docstring); returns the seconds both took."""
     t0 = time.perf_counter()
+    gen = torch.Generator(device).manual_seed(WARMUP_SEED)
     for length in sorted({tokens, max(2, tokens - tokens // 8) | 1}, reverse=True):
-        warm_up_once(model, device, compute_dtype, length, max_anchors, gamma)
+        warm_up_once(model, device, compute_dtype, length, max_anchors, gamma, gen)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: torch.dtype, tokens: int,
-                 max_anchors: int, gamma: float) -> None:
+                 max_anchors: int, gamma: float, gen: torch.Generator) -> None:
     """One forward and backward of everything after the frozen embedding, on random inputs. Needs
     no target head; leaves the weights and their gradients as they were
     (the gradients it makes are dropped), and the optimizer is not involved.
@@ -92,15 +108,15 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
     CUDA): compiled graphs are specialised on dtypes, so planes of another dtype would compile again.
     """
     cfg = model.config
-    batch = random_batch(model, tokens, device, compute_dtype)
-    g = torch.Generator().manual_seed(1)
-    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), max_anchors, g)
+    batch = random_batch(model, tokens, device, compute_dtype, gen)
+    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), max_anchors,
+                             torch.Generator().manual_seed(WARMUP_SEED))
     blocks = build_blocks(batch, anchors.to(device), cfg.block_size, cfg.mask_token_id, gamma)
     params = [p for p in model.parameters() if p.requires_grad]
     had_grad = [p.grad for p in params]
     autocast = compute_dtype != torch.float32
     noise = torch.randn(blocks.num_blocks * cfg.block_size, cfg.hidden_size, device=device,
-                        dtype=model.fc.weight.dtype)
+                        dtype=model.fc.weight.dtype, generator=gen)
     with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
         out = model.decode_blocks(noise, batch.hidden, blocks)
         loss = out.float().square().mean()
@@ -110,8 +126,172 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
     with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
         model.decode_blocks(noise, batch.hidden, blocks)   # the held-out eval's graphs (no autograd)
     if model.compiled:   # the loss head's elementwise half: one graph with a gradient, one without
-        logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype)
-        labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device)
-        weights = torch.rand(WARMUP_LOSS_ROWS, device=device)
-        for need_grad in (True, False):
-            cross_entropy_fn(True)(logits.clone(), labels, weights, need_grad)
+        logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype, generator=gen)
+        labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device, generator=gen)
+        weights = torch.rand(WARMUP_LOSS_ROWS, device=device, generator=gen)
+        # no_grad as in the loss, whose autograd.Function runs its forward (and so this) without
+        # grad mode: graphs are guarded on grad mode, so a call with it on compiles others
+        with torch.no_grad():
+            for need_grad in (True, False):
+                cross_entropy_fn(True)(logits.clone(), labels, weights, need_grad)
+
+
+# ---- compiling behind the first steps ------------------------------------------------------------
+
+# How much smaller the shadow's warm-up batches are than a training batch. Every graph is traced with
+# dynamic shapes, so a quarter-size batch compiles the same graphs as a full one, and its
+# activations (a full batch's are ~40 GB at 27B widths) share the GPU with the eager steps and
+# the target server.
+BEHIND_SHRINK = 4
+BEHIND_MIN_TOKENS = 256     # a few flex tiles of context and of block queries even for tiny budgets
+BEHIND_MIN_ANCHORS = 16
+# While the compile thread runs, the GIL is handed over every 0.1 ms instead of every 5 ms. Every
+# torch op of the eager step releases the GIL around its kernel launch and must win it back from a
+# thread that traces Python non-stop; at the default interval that cost ~1 ms per op (measured on
+# the dev box: 400 small ops 7.6 ms alone, 448 ms beside a busy thread, 16 ms at 0.1 ms).
+BEHIND_SWITCH_INTERVAL_S = 1e-4
+
+
+_handover_lock = threading.Lock()
+_handover_users = 0
+_handover_default = 0.005
+
+
+def _quick_gil_handover(on: bool) -> None:
+    """BEHIND_SWITCH_INTERVAL_S while any compile thread runs (a rebuilt drafter can briefly have
+    two), the interpreter's own interval otherwise."""
+    global _handover_users, _handover_default
+    with _handover_lock:
+        if on and _handover_users == 0:
+            _handover_default = sys.getswitchinterval()
+            sys.setswitchinterval(BEHIND_SWITCH_INTERVAL_S)
+        _handover_users += 1 if on else -1
+        if not on and _handover_users == 0:
+            sys.setswitchinterval(_handover_default)
+
+
+def eager_attention(impl: str, device: torch.device) -> str:
+    """The attention path for the eager steps while compiling: flex on CUDA is itself a compiled
+    kernel (its first call traces and compiles), so those steps use the dense-mask SDPA kernel,
+    which computes the same attention (tests compare the paths)."""
+    return "sdpa" if impl == "flex" and device.type == "cuda" else impl
+
+
+def needs_compiling(model_compile_mode: str, attn: str, device: torch.device) -> bool:
+    """Whether a drafter built with these settings compiles anything on `device`."""
+    on = model_compile_mode == "on" or (model_compile_mode == "auto" and device.type == "cuda")
+    return on or (attn == "flex" and device.type == "cuda")
+
+
+def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
+    """The same drafter over the same weight memory, to compile and warm up beside training.
+
+    Built on the meta device, so it allocates nothing; each trainable weight is a new tensor over
+    the model's storage. A new tensor, not a view: the optimizer's in-place updates of the model's
+    weights then do not bump the shadow's version counters (autograd would refuse its backward:
+    'modified by an inplace operation'). Its gradients are dropped as each is accumulated, so they
+    never reach the model's `.grad` and never all exist at once. The frozen target head stays empty
+    (the warm-up does not use it).
+    """
+    with torch.device("meta"):
+        shadow = DFlashDraftModel(model.config, split_fc=model.split_fc, attn_impl=attn_impl)
+    shadow.segment_rows, shadow.checkpoint_layers = model.segment_rows, model.checkpoint_layers
+    shadow.train(model.training)
+    own = dict(model.named_parameters())
+    for name, meta in list(shadow.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        source = own[name]
+        if name.startswith(DFlashDraftModel.FROZEN_PREFIXES):
+            weight = nn.Parameter(torch.empty(0, model.config.hidden_size, device=source.device,
+                                              dtype=source.dtype), requires_grad=False)
+        else:
+            alias = torch.empty(0, device=source.device, dtype=source.dtype)
+            alias.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
+            weight = nn.Parameter(alias, requires_grad=source.requires_grad)
+            if weight.requires_grad:
+                weight.register_post_accumulate_grad_hook(_drop_grad)
+        setattr(shadow.get_submodule(owner), attr, weight)
+    return shadow
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+class CompileBehind:
+    """Compile and warm up the drafter's kernels in a background thread while the trainer steps
+    eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled once they are.
+
+    The model is eager from construction until the switch, with an attention path that compiles
+    nothing (`eager_attention`). The background thread builds a `shadow_of` the model with the
+    configured attention, compiles it (`DFlashDraftModel.compile_for`, the same options as the
+    model gets later) and runs `warm_up_kernels` on it with batches BEHIND_SHRINK times smaller
+    than a training batch. A failed warm-up is logged and the model stays eager: slower, never
+    stopped; one that ran out of GPU memory still switches (the step compiles what it lacks). Each rank compiles for itself; switching is local and changes no math beyond
+    rounding (the compiled layers match eager, tests), so ranks need not switch at the same step.
+    """
+
+    def __init__(self, model: DFlashDraftModel, device: torch.device, compile_mode: str,
+                 compute_dtype: torch.dtype, tokens: int, max_anchors: int, gamma: float) -> None:
+        self.model, self.device, self.compile_mode = model, device, compile_mode
+        self.attn_impl = model.attn_impl
+        self.shape = (max(min(tokens, BEHIND_MIN_TOKENS), tokens // BEHIND_SHRINK),
+                      max(min(max_anchors, BEHIND_MIN_ANCHORS), max_anchors // BEHIND_SHRINK))
+        self.compute_dtype, self.gamma = compute_dtype, gamma
+        self.state = "compiling"          # compiling -> compiled | failed (trainer status)
+        self.error: str | None = None
+        self.out_of_memory = False
+        self.seconds: float | None = None   # of the background compile and warm-up
+        self._started = time.perf_counter()
+        self._done = threading.Event()
+        model.attn_impl = eager_attention(self.attn_impl, device)
+        _quick_gil_handover(True)
+        self._thread = threading.Thread(target=self._run, name="compile-behind", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            shadow = shadow_of(self.model, self.attn_impl)
+            shadow.compile_for(self.device, self.compile_mode)
+            tokens, anchors = self.shape
+            warm_up_kernels(shadow, self.device, self.compute_dtype, tokens, anchors, self.gamma)
+        except torch.OutOfMemoryError as e:
+            # the warm-up's activations did not fit beside the training step: the compile itself
+            # is not at fault, so the model switches anyway and compiles what is left in its step
+            self.out_of_memory = True
+            self.error = f"{type(e).__name__}: {e}"
+        except Exception as e:   # noqa: BLE001 - any other failure leaves the trainer eager, not dead
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            _quick_gil_handover(False)
+            self._done.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background work is over (tests, benchmarks); whether it is."""
+        return self._done.wait(timeout)
+
+    def switch_if_ready(self) -> bool:
+        """At a step boundary: once the background work is over, compile the model (its graphs are
+        in dynamo's cache already) or, after a failure, leave it eager for good. True when done."""
+        if not self._done.is_set():
+            return False
+        if self.error is None or self.out_of_memory:
+            self.model.compile_for(self.device, self.compile_mode)
+            self.model.attn_impl = self.attn_impl
+            self.state = "compiled"
+            if self.error is None:
+                log.info("compiled kernels ready after %.1fs in the background: the steps run compiled from now on",
+                         self.seconds)
+            else:
+                log.warning("the background warm-up ran out of GPU memory after %.1fs; switching to the compiled "
+                            "step anyway (it compiles what the warm-up did not reach): %s", self.seconds, self.error)
+        else:
+            self.state = "failed"
+            log.warning("compiling in the background failed after %.1fs, the drafter stays eager (slower, same "
+                        "math): %s", self.seconds, self.error)
+        return True

@@ -275,6 +275,7 @@ def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
 
     from drafter_trainer.warmup import warm_up_kernels
 
+    torch._dynamo.reset()    # graphs an earlier test compiled (the loss head's are process-wide) count here
     device = torch.device("cuda", 0)
     model = make_model(attn_impl=impl).to(device)
     model.set_target_head(model.embed_tokens.weight.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16))
@@ -286,3 +287,166 @@ def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
         out = _step(model, device, docs, True, anchors=40)
         assert torch.isfinite(out.loss)
     assert counters["stats"]["unique_graphs"] == graphs, "the first steps compiled graphs the warm-up missed"
+
+
+# ---- compiling behind the first steps (warmup.CompileBehind) -------------------------------------
+
+def test_shadow_shares_the_weights_but_not_their_gradients_or_versions():
+    from drafter_trainer.warmup import shadow_of, warm_up_once
+
+    model = make_model()
+    shadow = shadow_of(model, "split")
+    assert shadow.attn_impl == "split" and not shadow.embed_tokens.loaded
+    own = dict(model.named_parameters())
+    for name, p in shadow.named_parameters():
+        if name.startswith(("embed_tokens", "lm_head")):
+            continue
+        assert p.data_ptr() == own[name].data_ptr() and p.shape == own[name].shape, name
+    assert len(dict(shadow.named_parameters())) == len(own)
+    sentinel = {n: torch.full_like(p, 7.0) for n, p in own.items() if p.requires_grad}
+    for n, p in own.items():
+        p.grad = sentinel.get(n)
+    # the optimizer updates the model's weights in place between the shadow's forward and backward
+    gen = torch.Generator().manual_seed(0)
+    original_backward = torch.Tensor.backward
+
+    def update_then_backward(loss, *args, **kwargs):
+        with torch.no_grad():
+            for p in own.values():
+                p.add_(0.5)
+        return original_backward(loss, *args, **kwargs)
+
+    torch.Tensor.backward = update_then_backward
+    try:
+        warm_up_once(shadow, torch.device("cpu"), torch.float32, 40, 6, 4.0, gen)
+    finally:
+        torch.Tensor.backward = original_backward
+    assert all(p.grad is None for p in shadow.parameters()), "the shadow's gradients are dropped"
+    for n, p in own.items():
+        assert p.grad is sentinel.get(n), f"{n}: the model's gradient was touched"
+    assert torch.equal(shadow.fc.weight, model.fc.weight), "one memory: the update shows in the shadow"
+
+
+def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_compiled():
+    from torch._dynamo.utils import counters
+
+    from drafter_trainer.warmup import CompileBehind
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    model = make_model(attn_impl="sdpa")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    behind = CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6, gamma=4.0)
+    assert not model.compiled and behind.state == "compiling"
+    eager_steps = 0
+    while not behind.switch_if_ready():     # the trainer's loop: eager steps while the thread compiles
+        out = _step(model, torch.device("cpu"), [20, 12], False)
+        assert torch.isfinite(out.loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        eager_steps += 1
+        assert eager_steps < 20_000, "the background compile never finished"
+    assert behind.state == "compiled", behind.error
+    assert model.compiled and model.attn_impl == "sdpa" and eager_steps >= 1
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > before, "the shadow compiled the graphs"
+    reference = make_model(attn_impl="sdpa")
+    reference.load_state_dict(model.state_dict())
+    for docs in ([30, 9, 17], [41, 6]):    # context lengths neither the warm-up's nor the eager steps'
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        got, want = _step(model, torch.device("cpu"), docs, False), _step(reference, torch.device("cpu"), docs, False)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.fc.weight.grad, reference.fc.weight.grad, rtol=1e-4, atol=1e-6)
+    # the held-out eval (Trainer.evaluate): eval mode, no gradient
+    model.eval()
+    with torch.no_grad():
+        batch = make_batch([25, 14], seed=5)
+        blocks = build_blocks(batch, torch.tensor([1, 4, 9, 27, 33]), model.config.block_size, MASK, 4.0)
+        assert torch.isfinite(dflash_loss(model, batch, blocks, chunk=8).loss)
+    assert counters["stats"]["unique_graphs"] == graphs, "the model recompiled what the shadow had compiled"
+    assert not behind.running
+
+
+def test_a_failed_background_compile_leaves_the_drafter_eager(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture):
+    from drafter_trainer import warmup
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("inductor exploded")
+    monkeypatch.setattr(warmup, "warm_up_kernels", broken)
+    model = make_model(attn_impl="sdpa")
+    behind = warmup.CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6,
+                                  gamma=4.0)
+    assert behind.wait(60)
+    with caplog.at_level("WARNING"):
+        assert behind.switch_if_ready()
+    assert behind.state == "failed" and "inductor exploded" in behind.error
+    assert not model.compiled and "stays eager" in caplog.text
+    assert torch.isfinite(_step(model, torch.device("cpu"), [20, 12], False).loss)
+
+
+def test_a_background_warm_up_out_of_memory_still_switches_to_the_compiled_step(monkeypatch: pytest.MonkeyPatch):
+    from drafter_trainer import warmup
+
+    def no_memory(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+    monkeypatch.setattr(warmup, "warm_up_kernels", no_memory)
+    model = make_model(attn_impl="sdpa")
+    behind = warmup.CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6,
+                                  gamma=4.0)
+    assert behind.wait(60) and behind.switch_if_ready()
+    assert behind.state == "compiled" and behind.out_of_memory and "9.50 GiB" in behind.error
+    assert model.compiled
+
+
+def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a_background_compile():
+    from drafter_trainer.warmup import eager_attention, needs_compiling
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert eager_attention("flex", cuda) == "sdpa"
+    assert [eager_attention(i, cuda) for i in ("sdpa", "split", "auto")] == ["sdpa", "split", "auto"]
+    assert eager_attention("flex", cpu) == "flex"     # eager flex on the CPU compiles nothing
+    assert needs_compiling("auto", "auto", cuda) and needs_compiling("off", "flex", cuda)
+    assert not needs_compiling("off", "sdpa", cuda) and not needs_compiling("auto", "flex", cpu)
+    assert needs_compiling("on", "split", cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+def test_cuda_compile_behind_steps_eagerly_then_switches_without_compiling_again(impl):
+    from torch._dynamo.utils import counters
+
+    from drafter_trainer.warmup import BEHIND_SHRINK, CompileBehind
+
+    torch._dynamo.reset()
+    device = torch.device("cuda", 0)
+    model = make_model(attn_impl=impl).to(device)
+    model.set_target_head(model.embed_tokens.weight.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    # training shapes BEHIND_SHRINK times those of test_cuda_warm_up_compiles_every_graph_the_first_step_runs
+    behind = CompileBehind(model, device, "on", torch.bfloat16, tokens=400 * BEHIND_SHRINK,
+                           max_anchors=40 * BEHIND_SHRINK, gamma=4.0)
+    assert model.attn_impl == "sdpa", "eager steps must not compile flex"
+    eager_steps = 0
+    while not behind.switch_if_ready():
+        out = _step(model, device, [90, 70], True, anchors=40)
+        assert torch.isfinite(out.loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        eager_steps += 1
+    assert behind.state == "compiled", behind.error
+    assert model.compiled and model.attn_impl == impl and eager_steps >= 1
+    graphs = counters["stats"]["unique_graphs"]
+    for docs in ([130, 150, 96], [47, 260]):
+        out = _step(model, device, docs, True, anchors=40)
+        assert torch.isfinite(out.loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        batch = make_batch([120, 77], seed=3).to(device)
+        batch.hidden = batch.hidden.to(torch.bfloat16)
+        blocks = build_blocks(batch, torch.arange(1, 190, 5, device=device), 4, MASK, 4.0)
+        assert torch.isfinite(dflash_loss(model, batch, blocks, chunk=8).loss)
+    assert counters["stats"]["unique_graphs"] == graphs, "the switched model compiled graphs the shadow missed"

@@ -32,6 +32,12 @@ def _exactly_once(config: Path) -> dict:
     return info
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class Torchrun(Service):
     """`torchrun --nproc-per-node N -m dfpipe trainer` (gloo ranks on CPU)."""
 
@@ -44,6 +50,8 @@ class Torchrun(Service):
                                      start_new_session=True)
 
 
+@pytest.mark.skipif(os.environ.get("DFPIPE_TEST_TRAINER_DEVICE", "cpu") != "cpu" and _cuda_devices() < 2,
+                    reason="two CUDA ranks need two GPUs (NCCL refuses two ranks on one device)")
 def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -> None:
     # rank 0 also evaluates held-out batches every 2 steps: the other rank must not stall or deadlock
     config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
@@ -114,6 +122,50 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
         assert "non-finite steps in a row: checkpointed and stopping" in log
         info = inspect_run(config)
         assert info["skipped_steps"] >= 3 and info["samples_duplicated"] == 0
+    finally:
+        target.stop()
+
+
+def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing_a_sample(tmp_path: Path) -> None:
+    # drafter.compile on the CPU: inductor's C++ backend, seconds for the tiny drafter, from an
+    # empty cache so that the compile outlasts the first steps
+    config = write_config(tmp_path, samples=200, drafter={"compile": "on"})
+    cfg = load(config)
+    trainer_ep = cfg["service"]["trainer_endpoint"]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def stepped():   # this trainer process has finished its first step
+        s = ctl(trainer_ep, "status")
+        return s if s and s.get("startup", {}).get("first_step_s") is not None else None
+
+    target = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        # stopped while the compile thread runs: a clean exit (0) with its checkpoint
+        first = Service("trainer", config, tmp_path, env=env)
+        wait_for(stepped, 180, "the first trainer's first step")
+        ctl(trainer_ep, "pause")
+        status = ctl(trainer_ep, "status")
+        assert status["compile"]["state"] == "compiling", status["compile"]
+        ctl(trainer_ep, "shutdown")
+        assert first.wait(120) == 0, first.log()
+        assert "exiting while the background compile is still running" in first.log(tail=10_000)
+        resumed_at = inspect_run(config)["step"]
+        # a restart resumes eagerly, switches once its kernels are compiled, and trains the rest once
+        second = Service("trainer", config, tmp_path, env=env)
+        try:
+            wait_for(stepped, 180, "the restarted trainer's first step")
+            ctl(trainer_ep, "pause")      # a paused trainer's loop still takes the switch
+            status = wait_for(lambda: (s := ctl(trainer_ep, "status")) and s["compile"]["state"] in ("compiled", "failed") and s,
+                              600, "the background compile")
+            assert status["compile"]["state"] == "compiled", status["compile"]
+            assert status["compile"]["at_step"] > resumed_at and status["compile"]["seconds"] > 0
+            ctl(trainer_ep, "resume")
+            assert second.wait(600) == 0, second.log()
+        finally:
+            second.stop()
+        assert "compiled kernels ready after" in second.log(tail=10_000)
+        _exactly_once(config)
     finally:
         target.stop()
 

@@ -156,7 +156,8 @@ def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_
     info = expected_target(cfg)
     assert info is not None
     times: dict[str, float] = {}
-    model = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=True)
+    model, behind = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up="before")
+    assert behind is None
     assert model.embed_tokens.loaded and model.lm_head.loaded
     assert times["warmup_s"] > 0 and times["head_s"] > 0
     assert times["build_head_warmup_s"] >= times["warmup_s"]
@@ -166,7 +167,7 @@ def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_
         raise RuntimeError("inductor exploded")
     monkeypatch.setattr(train, "warm_up_kernels", broken)
     with caplog.at_level("WARNING"):
-        model = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=True)
+        model, _ = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up="before")
     assert model.lm_head.loaded
     assert "kernel warm-up failed" in caplog.text and "inductor exploded" in caplog.text
 

@@ -7,9 +7,16 @@ Timeline of one run (one target-server lifetime):
         trainer A's first optimizer step (metrics.jsonl record 1)        -> cold = its time - t0
         trainer A trains next to the server for --p6-seconds              -> together tok/s (P6)
         SIGKILL trainer A (a crash; SIGTERM would write a 20 GB final checkpoint)
-    t1  start trainer B (fresh out_dir, nothing to resume)
+    t1  start trainer B (fresh out_dir, nothing to resume), drafter.warm_up behind
         trainer B's first optimizer step                                  -> warm = its time - t1
-        SIGKILL trainer B; SIGTERM the server (it unlinks its ring)
+        its switch to the compiled step, then 6 compiled steps          -> against trainer A's
+        SIGKILL trainer B
+        the same again with drafter.warm_up before (the A/B of the two start-ups)
+        SIGTERM the server (it unlinks its ring)
+
+Trainer A steps eagerly until its background compile is ready: the P6 window starts after its
+switch (status `compile.at_step`) and p6_skip_steps more. Step times compared across trainers
+are medians without the wait for a batch (metrics `step_s - wait_s`).
 
 First-step times come from the trainer's own metrics.jsonl (`time` of the step-1 record, wall
 clock), tokens per step from its `tokens_per_s * step_s`. Children run in their own sessions so a
@@ -56,6 +63,7 @@ class ServicePlan:
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
     step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
+    warm_modes: tuple[str, ...] = ("behind", "before")   # drafter.warm_up of each warm restart, in order
     target_devices: list[str] | None = None    # placement; None: [device]
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
@@ -268,6 +276,34 @@ def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler
             "together_mean_step_s": sum(r["step_s"] for r in rows[skip + 1:]) / steps}
 
 
+def wait_compiled(children: Children, name: str, endpoint: str, timeout_s: float) -> tuple[dict[str, Any], float]:
+    """The trainer's status `compile` once its background compile is over (or there is none), and
+    the wall-clock time it was first seen so (0.2 s polls)."""
+    from dfpipe.ctl import try_status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = ((try_status(endpoint, timeout_s=2.0) or {}).get("compile") or {})
+        if state.get("state") not in (None, "building", "compiling"):
+            return state, time.time()
+        children.check_alive(name)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: still compiling after {timeout_s:.0f}s ({state})")
+        time.sleep(0.2)
+
+
+def steps_after(compile_state: dict[str, Any], skip: int) -> int:
+    """Metrics records to skip so that a window holds compiled steps only (one record per step,
+    record i is step i + 1): the eager steps before the switch, then `skip` more."""
+    return int(compile_state.get("at_step") or 0) + skip
+
+
+def median_step_s(rows: list[dict[str, Any]], first: int) -> float:
+    """The median step after the first `first` records, without its wait for a batch."""
+    values = sorted(float(r["step_s"]) - float(r.get("wait_s", 0.0)) for r in rows[first:])
+    return values[len(values) // 2]
+
+
 def wind_up(children: Children, sampler: ProductionSampler, label: str, tail_bytes: int) -> None:
     """Stop sampling, end every service process, print the tail of each one's log."""
     sampler.stop()
@@ -351,12 +387,14 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
     def left() -> float:
         return max(1.0, deadline - time.monotonic())
 
-    def trainer_args(run: str) -> list[str]:
-        return ["trainer", "-c", cfg_path, "--set", f"train.out_dir={os.path.join(plan.workdir, run)}"]
+    def trainer_args(run: str, warm_up: str = "behind") -> list[str]:
+        return ["trainer", "-c", cfg_path, "--set", f"train.out_dir={os.path.join(plan.workdir, run)}",
+                "--set", f"drafter.warm_up={warm_up}"]
 
     sampler = ProductionSampler(cfg.service.target_endpoint)
+    endpoint = cfg.service.trainer_endpoint
     try:
-        for run in ("run-cold", "run-warm"):
+        for run in ("run-cold", *(f"run-warm-{mode}" for mode in plan.warm_modes)):
             shutil.rmtree(os.path.join(plan.workdir, run), ignore_errors=True)
         t0 = time.time()
         sampler.start()
@@ -368,7 +406,10 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         figures["cold_first_step_s"] = rows[0]["time"] - t0
         print(f"cold start: first optimizer step {figures['cold_first_step_s']:.1f}s after both started", flush=True)
 
-        skip = plan.p6_skip_steps
+        # P6 on compiled steps only: the trainer steps eagerly until its background compile is ready
+        cold_compile, _ = wait_compiled(children, "trainer-cold", endpoint, min(plan.step_timeout_s, left()))
+        figures["cold_compile"] = cold_compile
+        skip = steps_after(cold_compile, plan.p6_skip_steps)
         rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.p6_seconds),
                             min(plan.p6_seconds * 4 + 60, left()), also_alive=("target",))
         figures.update(end_to_end(rows, skip, sampler))
@@ -384,16 +425,37 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         figures["target_warmup_s"] = stages.get("warmup", {}).get("seconds")
         figures["target_batches_produced"] = target_status.get("batches", {}).get("produced")
 
+        cold_step_s = median_step_s(rows, skip)
+        figures["cold_compiled_median_step_s"] = cold_step_s
         children.kill("trainer-cold")
-        t1 = time.time()
-        children.spawn("trainer-warm", trainer_args("run-warm"), trainer_env)
-        rows = wait_metrics(children, "trainer-warm", os.path.join(plan.workdir, "run-warm", "metrics.jsonl"),
-                            lambda r: True, min(plan.step_timeout_s, left()), also_alive=("target",))
-        figures["warm_first_step_s"] = rows[0]["time"] - t1
-        figures["warm_startup"] = (try_status(cfg.service.trainer_endpoint, timeout_s=5.0) or {}).get("startup")
-        print(f"warm restart: first optimizer step {figures['warm_first_step_s']:.1f}s after the trainer started",
-              flush=True)
-        figures["warm_over_cold_first_step"] = figures["warm_first_step_s"] / figures["cold_first_step_s"]
+        for mode in plan.warm_modes:   # a trainer restart against the warm target, per drafter.warm_up
+            name, run = f"trainer-warm-{mode}", f"run-warm-{mode}"
+            metrics = os.path.join(plan.workdir, run, "metrics.jsonl")
+            t1 = time.time()
+            children.spawn(name, trainer_args(run, mode), trainer_env)
+            rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.step_timeout_s, left()),
+                                also_alive=("target",))
+            first = rows[0]["time"] - t1
+            got = {"first_step_s": first, "over_cold_first_step": first / figures["cold_first_step_s"],
+                   "startup": (try_status(endpoint, timeout_s=5.0) or {}).get("startup")}
+            print(f"warm restart ({mode}): first optimizer step {first:.1f}s after the trainer started", flush=True)
+            # then: when it runs compiled, and whether its compiled steps are as fast as the cold trainer's
+            state, seen = wait_compiled(children, name, endpoint, min(120.0, left()))
+            got.update(compile=state, compiled_after_s=seen - t1 if state.get("state") == "compiled" else None)
+            skip = steps_after(state, 2)
+            rows = wait_metrics(children, name, metrics, lambda r: len(r) >= skip + 6, min(60.0, left()),
+                                also_alive=("target",))
+            got["compiled_median_step_s"] = median_step_s(rows, skip)
+            got["compiled_step_over_cold"] = got["compiled_median_step_s"] / cold_step_s
+            got["eager_steps"] = int(state.get("at_step") or 0)
+            figures[f"warm_{mode}"] = got
+            children.kill(name)
+            print(f"warm restart ({mode}): compiled after {got['compiled_after_s'] or float('nan'):.1f}s; compiled "
+                  f"steps {got['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)
+        first_mode = figures[f"warm_{plan.warm_modes[0]}"]
+        figures["warm_first_step_s"] = first_mode["first_step_s"]
+        figures["warm_startup"] = first_mode["startup"]
+        figures["warm_over_cold_first_step"] = first_mode["over_cold_first_step"]
         return figures
     finally:
         wind_up(children, sampler, "", 60_000)
