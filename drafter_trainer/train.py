@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -304,6 +304,8 @@ class Trainer:
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
         self.behind: CompileBehind | None = None       # the kernels compiling beside the first steps
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_future: Future[torch.optim.Optimizer] | None = None
         self.compile_state: dict[str, Any] = {"state": "building"}   # -> eager | compiling -> compiled | failed
 
     # status is read by the control thread: only plain values
@@ -416,14 +418,18 @@ class Trainer:
         self.compile_state = {"state": "compiling" if self.behind else "compiled" if self.model.compiled else "eager"}
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, cfg.train, self.device)
-        if getattr(self, "_resume_state", None) is not None:
-            st = self._resume_state
+        st = getattr(self, "_resume_state", None)
+        if st is not None:
             missing = self.model.load_state_dict(st["model"], strict=False)
             if missing.unexpected_keys:
                 raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
-            self.optimizer.load_state_dict(st["optimizer"])
             torch.set_rng_state(st["rng"]["torch"])
+        # torch.optim imports dynamo on an optimizer's first use: seconds on the H200 host unless the
+        # background import (preload_compiler) is through. The optimizer is built in a thread
+        # beside the first forward and backward, and waited for at its first use (`optimizer`).
+        pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
+        self._optimizer_future = pool.submit(self._build_optimizer, params, st["optimizer"] if st else None)
+        pool.shutdown(wait=False)
         self.compute_dtype = compute_dtype_for(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
@@ -437,6 +443,19 @@ class Trainer:
                 self._init_wandb()
         self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
         self.state = "training"
+
+    def _build_optimizer(self, params: list[torch.nn.Parameter], state: dict[str, Any] | None) -> torch.optim.Optimizer:
+        optimizer = make_optimizer(params, self.cfg.train, self.device)
+        if state is not None:
+            optimizer.load_state_dict(state)
+        return optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, once its builder thread is through (re-raises the builder's error)."""
+        if self._optimizer is None:
+            self._optimizer = self._optimizer_future.result()
+        return self._optimizer
 
     def _init_wandb(self) -> None:
         try:
@@ -504,6 +523,8 @@ class Trainer:
             with self.stages.time("wait_batch"):
                 batch = self._next_batch(ends_seen)
             batch_at = time.perf_counter()
+            if batch is None and self.behind is not None:
+                self.behind.start()     # idle (waiting for the target, paused): compile now
             # agree with the other ranks: [ranks with a batch, stop, checkpoint, ranks past the last epoch,
             # batches trained since resume]
             all_ended = len({e for e in ends_seen if e < cfg.train.epochs}) >= cfg.train.epochs
@@ -564,6 +585,8 @@ class Trainer:
             self.step += 1
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
+                if self.behind is not None:
+                    self.behind.start()     # after the first step: it ran without a tracing thread beside it
             if batch is not None:
                 self._record(batch, out, lr, time.perf_counter() - t0, batch_at - t0)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:

@@ -45,7 +45,9 @@ def preload_compiler() -> threading.Thread:
     `compile_for` needs those modules, and importing them took 7 s of a restart on the H200
     host; started first thing, the import runs beside the CUDA and process-group set-up, the
     endpoints and the connection instead of after them (Python's per-module import locks make a
-    later import in the main thread wait for this one rather than run it twice).
+    later import in the main thread wait for this one rather than run it twice). Every trainer
+    needs dynamo, compiling or not: torch.optim imports it on an optimizer's first use. While the
+    import runs, the GIL is handed over quickly (BEHIND_SWITCH_INTERVAL_S).
     """
     def load() -> None:
         try:
@@ -53,6 +55,10 @@ def preload_compiler() -> threading.Thread:
             import torch._inductor.config  # noqa: F401
         except Exception:  # the main thread's own import reports it, with its traceback
             pass
+        finally:
+            _quick_gil_handover(False)
+
+    _quick_gil_handover(True)
 
     thread = threading.Thread(target=load, name="preload-compiler", daemon=True)
     thread.start()
@@ -219,8 +225,9 @@ def _drop_grad(p: torch.Tensor) -> None:
 
 
 class CompileBehind:
-    """Compile and warm up the drafter's kernels in a background thread while the trainer steps
-    eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled once they are.
+    """Compile and warm up the drafter's kernels in a background thread (`start`) while the
+    trainer steps eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled
+    once they are.
 
     The model is eager from construction until the switch, with an attention path that compiles
     nothing (`eager_attention`). The background thread builds a `shadow_of` the model with the
@@ -242,12 +249,23 @@ class CompileBehind:
         self.error: str | None = None
         self.out_of_memory = False
         self.seconds: float | None = None   # of the background compile and warm-up
-        self._started = time.perf_counter()
+        self._started: float | None = None
         self._done = threading.Event()
         model.attn_impl = eager_attention(self.attn_impl, device)
-        _quick_gil_handover(True)
         self._thread = threading.Thread(target=self._run, name="compile-behind", daemon=True)
-        self._thread.start()
+
+    def start(self) -> "CompileBehind":
+        """Start compiling (once). The trainer starts it after its first step, or as soon as it
+        waits for a batch: a first step beside a tracing thread took 5.3 s instead of ~1 on the H200."""
+        if self._started is None:
+            self._started = time.perf_counter()
+            _quick_gil_handover(True)
+            self._thread.start()
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self._started is not None
 
     def _run(self) -> None:
         try:
@@ -263,7 +281,7 @@ class CompileBehind:
         except Exception as e:   # noqa: BLE001 - any other failure leaves the trainer eager, not dead
             self.error = f"{type(e).__name__}: {e}"
         finally:
-            self.seconds = time.perf_counter() - self._started
+            self.seconds = time.perf_counter() - (self._started or 0.0)
             _quick_gil_handover(False)
             self._done.set()
 

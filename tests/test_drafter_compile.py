@@ -337,6 +337,8 @@ def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_co
     model = make_model(attn_impl="sdpa")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     behind = CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6, gamma=4.0)
+    assert not behind.started and not behind.switch_if_ready(), "nothing compiles before start()"
+    behind.start()
     assert not model.compiled and behind.state == "compiling"
     eager_steps = 0
     while not behind.switch_if_ready():     # the trainer's loop: eager steps while the thread compiles
@@ -377,7 +379,7 @@ def test_a_failed_background_compile_leaves_the_drafter_eager(monkeypatch: pytes
     monkeypatch.setattr(warmup, "warm_up_kernels", broken)
     model = make_model(attn_impl="sdpa")
     behind = warmup.CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6,
-                                  gamma=4.0)
+                                  gamma=4.0).start()
     assert behind.wait(60)
     with caplog.at_level("WARNING"):
         assert behind.switch_if_ready()
@@ -394,7 +396,7 @@ def test_a_background_warm_up_out_of_memory_still_switches_to_the_compiled_step(
     monkeypatch.setattr(warmup, "warm_up_kernels", no_memory)
     model = make_model(attn_impl="sdpa")
     behind = warmup.CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6,
-                                  gamma=4.0)
+                                  gamma=4.0).start()
     assert behind.wait(60) and behind.switch_if_ready()
     assert behind.state == "compiled" and behind.out_of_memory and "9.50 GiB" in behind.error
     assert model.compiled
@@ -426,7 +428,7 @@ def test_cuda_compile_behind_steps_eagerly_then_switches_without_compiling_again
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     # training shapes BEHIND_SHRINK times those of test_cuda_warm_up_compiles_every_graph_the_first_step_runs
     behind = CompileBehind(model, device, "on", torch.bfloat16, tokens=400 * BEHIND_SHRINK,
-                           max_anchors=40 * BEHIND_SHRINK, gamma=4.0)
+                           max_anchors=40 * BEHIND_SHRINK, gamma=4.0).start()
     assert model.attn_impl == "sdpa", "eager steps must not compile flex"
     eager_steps = 0
     while not behind.switch_if_ready():
