@@ -269,6 +269,7 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
         i += n
 
 
+WELCOME_GRACE_S = 0.5  # a warm target's WELCOME is in by the end of the drafter build; later means it is starting
 PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop, the background compile)
 
 
@@ -400,6 +401,8 @@ class Trainer:
         # overlap, and the build is most of the time to the first step.
         guess = expected_target(cfg)
         built = build_drafter(cfg, guess, self.device, self.startup) if guess is not None else None
+        if built is not None and built[1] is not None and not self.feed.welcomed.wait(WELCOME_GRACE_S):
+            built[1].start()   # the target is still loading or warming up: compile while waiting for it
         welcome = self.feed.wait_welcome(timeout=None)
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
