@@ -53,7 +53,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .target_head import text_config
-from .warmup import CompileBehind, needs_compiling, preload_compiler, warm_up_kernels
+from .warmup import CompileBehind, needs_compiling, preload_compiler, use_device, warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
         model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
     def read_head() -> float:
         t = time.perf_counter()
+        use_device(device)
         model.load_target_head(target_dir)
         return time.perf_counter() - t
 
@@ -448,6 +449,7 @@ class Trainer:
         self.state = "training"
 
     def _build_optimizer(self, params: list[torch.nn.Parameter], state: dict[str, Any] | None) -> torch.optim.Optimizer:
+        use_device(self.device)     # loading its state allocates on the device
         optimizer = make_optimizer(params, self.cfg.train, self.device)
         if state is not None:
             optimizer.load_state_dict(state)

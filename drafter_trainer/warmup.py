@@ -176,6 +176,15 @@ def _quick_gil_handover(on: bool) -> None:
             sys.setswitchinterval(_handover_default)
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device. The current device is per thread: a new
+    thread starts on cuda:0, and anything there that uses "the current device" (a bare
+    synchronize, Triton's benchmarking) would open a context of this process on GPU 0, which in
+    a placement belongs to the target server."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def eager_attention(impl: str, device: torch.device) -> str:
     """The attention path for the eager steps while compiling: flex on CUDA is itself a compiled
     kernel (its first call traces and compiles), so those steps use the dense-mask SDPA kernel,
@@ -270,6 +279,7 @@ class CompileBehind:
 
     def _run(self) -> None:
         try:
+            use_device(self.device)
             shadow = shadow_of(self.model, self.attn_impl)
             shadow.compile_for(self.device, self.compile_mode)
             tokens, anchors = self.shape

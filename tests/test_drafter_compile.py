@@ -452,3 +452,17 @@ def test_cuda_compile_behind_steps_eagerly_then_switches_without_compiling_again
         blocks = build_blocks(batch, torch.arange(1, 190, 5, device=device), 4, MASK, 4.0)
         assert torch.isfinite(dflash_loss(model, batch, blocks, chunk=8).loss)
     assert counters["stats"]["unique_graphs"] == graphs, "the switched model compiled graphs the shadow missed"
+
+
+def test_the_compile_thread_makes_the_trainers_device_its_current_one(monkeypatch: pytest.MonkeyPatch):
+    import threading
+
+    from drafter_trainer import warmup
+
+    # a new thread's current CUDA device is cuda:0: a rank placed on cuda:3 must not touch GPU 0
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, str(d))))
+    behind = warmup.CompileBehind(make_model(), torch.device("cuda", 3), "off", torch.float32, tokens=48,
+                                  max_anchors=6, gamma=4.0).start()
+    assert behind.wait(120)
+    assert calls and calls[0] == ("compile-behind", "cuda:3")
