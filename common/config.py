@@ -66,7 +66,7 @@ class DrafterConfig:
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
     split_fc: bool = False
-    attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, sdpa on CUDA
+    attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, flex on CUDA
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
     warm_up: str = "behind"             # behind: step eagerly while compiling in the background | before | off
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk

@@ -197,7 +197,7 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
     with ThreadPoolExecutor(1, thread_name_prefix="target-head") as pool:
         head = pool.submit(read_head)
         if mode == "behind":
-            if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device):
+            if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
                 behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
                                        cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
         else:

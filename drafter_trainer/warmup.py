@@ -36,7 +36,7 @@ from torch import nn
 from common.batch import PackedBatch
 from drafter_trainer.blocks import build_blocks, sample_anchors
 from drafter_trainer.loss import cross_entropy_fn
-from drafter_trainer.model import DFlashDraftModel
+from drafter_trainer.model import DFlashDraftModel, resolve_attention
 
 
 def preload_compiler() -> threading.Thread:
@@ -185,17 +185,17 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def eager_attention(impl: str, device: torch.device) -> str:
+def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:
     """The attention path for the eager steps while compiling: flex on CUDA is itself a compiled
     kernel (its first call traces and compiles), so those steps use the dense-mask SDPA kernel,
     which computes the same attention (tests compare the paths)."""
-    return "sdpa" if impl == "flex" and device.type == "cuda" else impl
+    return "sdpa" if resolve_attention(impl, device.type, head_dim) == "flex" and device.type == "cuda" else impl
 
 
-def needs_compiling(model_compile_mode: str, attn: str, device: torch.device) -> bool:
+def needs_compiling(model_compile_mode: str, attn: str, device: torch.device, head_dim: int) -> bool:
     """Whether a drafter built with these settings compiles anything on `device`."""
     on = model_compile_mode == "on" or (model_compile_mode == "auto" and device.type == "cuda")
-    return on or (attn == "flex" and device.type == "cuda")
+    return on or (resolve_attention(attn, device.type, head_dim) == "flex" and device.type == "cuda")
 
 
 def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
@@ -260,7 +260,7 @@ class CompileBehind:
         self.seconds: float | None = None   # of the background compile and warm-up
         self._started: float | None = None
         self._done = threading.Event()
-        model.attn_impl = eager_attention(self.attn_impl, device)
+        model.attn_impl = eager_attention(self.attn_impl, device, model.config.head_dim)
         self._thread = threading.Thread(target=self._run, name="compile-behind", daemon=True)
 
     def start(self) -> "CompileBehind":

@@ -403,15 +403,21 @@ def test_a_background_warm_up_out_of_memory_still_switches_to_the_compiled_step(
 
 
 def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a_background_compile():
+    from drafter_trainer.model import resolve_attention
     from drafter_trainer.warmup import eager_attention, needs_compiling
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert eager_attention("flex", cuda) == "sdpa"
-    assert [eager_attention(i, cuda) for i in ("sdpa", "split", "auto")] == ["sdpa", "split", "auto"]
-    assert eager_attention("flex", cpu) == "flex"     # eager flex on the CPU compiles nothing
-    assert needs_compiling("auto", "auto", cuda) and needs_compiling("off", "flex", cuda)
-    assert not needs_compiling("off", "sdpa", cuda) and not needs_compiling("auto", "flex", cpu)
-    assert needs_compiling("on", "split", cpu)
+    # auto: flex on CUDA (the fastest measured path) for head sizes flex has kernels for, else sdpa
+    assert [resolve_attention("auto", d, 256) for d in ("cuda", "cpu")] == ["flex", "split"]
+    assert resolve_attention("auto", "cuda", 80) == "sdpa" and resolve_attention("sdpa", "cuda", 256) == "sdpa"
+    assert eager_attention("flex", cuda, 256) == "sdpa" and eager_attention("auto", cuda, 256) == "sdpa"
+    assert [eager_attention(i, cuda, 256) for i in ("sdpa", "split")] == ["sdpa", "split"]
+    assert eager_attention("auto", cuda, 80) == "auto"          # resolves to sdpa: nothing to avoid
+    assert eager_attention("flex", cpu, 256) == "flex"          # eager flex on the CPU compiles nothing
+    assert needs_compiling("auto", "auto", cuda, 256) and needs_compiling("off", "flex", cuda, 256)
+    assert needs_compiling("off", "auto", cuda, 256) and not needs_compiling("off", "auto", cuda, 80)
+    assert not needs_compiling("off", "sdpa", cuda, 256) and not needs_compiling("auto", "flex", cpu, 256)
+    assert needs_compiling("on", "split", cpu, 256)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
