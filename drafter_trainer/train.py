@@ -53,7 +53,8 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .target_head import text_config
-from .warmup import CompileBehind, needs_compiling, preload_compiler, use_device, warm_up_kernels
+from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler, use_device,
+                     warm_up_kernels)
 
 log = logging.getLogger(__name__)
 
@@ -721,7 +722,7 @@ def main(cfg: Config) -> int:
         log.exception("trainer failed: %s", e)
     finally:
         trainer.close()
-    if trainer.behind is not None and trainer.behind.running:
+    if compiling_in_background():
         # Stopped while the compile thread is still inside dynamo/inductor: interpreter shutdown
         # would tear down modules (and CUDA) under it, which can abort the process and turn a clean
         # stop into a crash exit. Everything of ours is closed and the checkpoint written.

@@ -213,7 +213,7 @@ def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
     shadow.segment_rows, shadow.checkpoint_layers = model.segment_rows, model.checkpoint_layers
     shadow.train(model.training)
     own = dict(model.named_parameters())
-    for name, meta in list(shadow.named_parameters()):
+    for name, _ in list(shadow.named_parameters()):
         owner, _, attr = name.rpartition(".")
         source = own[name]
         if name.startswith(DFlashDraftModel.FROZEN_PREFIXES):
@@ -233,6 +233,14 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
+BEHIND_THREAD = "compile-behind"
+
+
+def compiling_in_background() -> bool:
+    """Whether any CompileBehind thread of this process still runs (a rebuilt drafter's too)."""
+    return any(t.name == BEHIND_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 class CompileBehind:
     """Compile and warm up the drafter's kernels in a background thread (`start`) while the
     trainer steps eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled
@@ -243,8 +251,9 @@ class CompileBehind:
     configured attention, compiles it (`DFlashDraftModel.compile_for`, the same options as the
     model gets later) and runs `warm_up_kernels` on it with batches BEHIND_SHRINK times smaller
     than a training batch. A failed warm-up is logged and the model stays eager: slower, never
-    stopped; one that ran out of GPU memory still switches (the step compiles what it lacks). Each rank compiles for itself; switching is local and changes no math beyond
-    rounding (the compiled layers match eager, tests), so ranks need not switch at the same step.
+    stopped; one that ran out of GPU memory still switches (the step compiles what it lacks).
+    Each rank compiles for itself; switching is local and changes no math beyond rounding (the
+    compiled layers match eager, tests), so ranks need not switch at the same step.
     """
 
     def __init__(self, model: DFlashDraftModel, device: torch.device, compile_mode: str,
@@ -261,7 +270,7 @@ class CompileBehind:
         self._started: float | None = None
         self._done = threading.Event()
         model.attn_impl = eager_attention(self.attn_impl, device, model.config.head_dim)
-        self._thread = threading.Thread(target=self._run, name="compile-behind", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=BEHIND_THREAD, daemon=True)
 
     def start(self) -> "CompileBehind":
         """Start compiling (once). The trainer starts it when it would otherwise idle (the target

@@ -330,7 +330,7 @@ def test_shadow_shares_the_weights_but_not_their_gradients_or_versions():
 def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_compiled():
     from torch._dynamo.utils import counters
 
-    from drafter_trainer.warmup import CompileBehind
+    from drafter_trainer.warmup import CompileBehind, compiling_in_background
 
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
@@ -339,7 +339,7 @@ def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_co
     behind = CompileBehind(model, torch.device("cpu"), "on", torch.float32, tokens=48, max_anchors=6, gamma=4.0)
     assert not behind.started and not behind.switch_if_ready(), "nothing compiles before start()"
     behind.start()
-    assert not model.compiled and behind.state == "compiling"
+    assert not model.compiled and behind.state == "compiling" and compiling_in_background()
     eager_steps = 0
     while not behind.switch_if_ready():     # the trainer's loop: eager steps while the thread compiles
         out = _step(model, torch.device("cpu"), [20, 12], False)
@@ -367,7 +367,7 @@ def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_co
         blocks = build_blocks(batch, torch.tensor([1, 4, 9, 27, 33]), model.config.block_size, MASK, 4.0)
         assert torch.isfinite(dflash_loss(model, batch, blocks, chunk=8).loss)
     assert counters["stats"]["unique_graphs"] == graphs, "the model recompiled what the shadow had compiled"
-    assert not behind.running
+    assert not behind.running and not compiling_in_background()
 
 
 def test_a_failed_background_compile_leaves_the_drafter_eager(monkeypatch: pytest.MonkeyPatch,
