@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,8 @@ from .export import export_drafter
 from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
-from .target_head import text_config
+from .optim import TrainerAdamW, trainer_adamw
+from .target_head import TargetHead, read_target_head, text_config
 from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler, use_device,
                      warm_up_kernels)
 
@@ -185,18 +186,19 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
                                     mask_token_id(cfg, target_dir))
     mode = warm_up or cfg.drafter.warm_up
     t0 = time.perf_counter()
-    # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
-    with device:
-        model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
-    def read_head() -> float:
-        t = time.perf_counter()
+
+    def read_head() -> tuple[TargetHead, float]:
         use_device(device)
-        model.load_target_head(target_dir)
-        return time.perf_counter() - t
+        head = read_target_head(target_dir, device=device)
+        return head, time.perf_counter() - t0
 
     behind = None
+    # The head read (GBs from the page cache) starts first and runs beside the build.
     with ThreadPoolExecutor(1, thread_name_prefix="target-head") as pool:
-        head = pool.submit(read_head)
+        reading = pool.submit(read_head)
+        # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
+        with device:
+            model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
         if mode == "behind":
             if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
                 behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
@@ -216,7 +218,8 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
                 for p in model.parameters():
                     p.grad = None
                 warm_s = time.perf_counter() - t1
-        head_s = head.result()        # re-raises the reader's error (a missing or mis-shaped head)
+        head, head_s = reading.result()   # re-raises the reader's error (a missing or mis-shaped head)
+        model.set_target_head(head.embed_tokens, None if head.tied else head.lm_head)
     if times is not None:
         times["build_s"] = t1 - t0
         times["head_s"] = head_s
@@ -247,13 +250,6 @@ def same_target(guess: dict[str, Any] | None, announced: dict[str, Any]) -> bool
                 and list(guess["layer_ids"]) == list(announced["layer_ids"]))
     except (KeyError, TypeError):
         return False
-
-
-def make_optimizer(params: list[torch.nn.Parameter], t: Any, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the trainable drafter weights; on CUDA the fused kernel (one launch for all
-    parameters: the foreach form costs ~35 ms a step at 1.8B parameters, measured on the H200)."""
-    return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                             fused=device.type == "cuda")
 
 
 def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
@@ -307,8 +303,7 @@ class Trainer:
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
         self.behind: CompileBehind | None = None       # the kernels compiling beside the first steps
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_future: Future[torch.optim.Optimizer] | None = None
+        self.optimizer: TrainerAdamW | None = None
         self.compile_state: dict[str, Any] = {"state": "building"}   # -> eager | compiling -> compiled | failed
 
     # status is read by the control thread: only plain values
@@ -429,12 +424,9 @@ class Trainer:
             if missing.unexpected_keys:
                 raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
             torch.set_rng_state(st["rng"]["torch"])
-        # torch.optim imports dynamo on an optimizer's first use: seconds on the H200 host unless the
-        # background import (preload_compiler) is through. The optimizer is built in a thread
-        # beside the first forward and backward, and waited for at its first use (`optimizer`).
-        pool = ThreadPoolExecutor(1, thread_name_prefix="optimizer")
-        self._optimizer_future = pool.submit(self._build_optimizer, params, st["optimizer"] if st else None)
-        pool.shutdown(wait=False)
+        # torch.optim imports dynamo, seconds on the H200 host: the first steps run torch's AdamW
+        # update without it while the optimizer object is built beside them (optim.py).
+        self.optimizer = trainer_adamw(params, cfg.train, self.device, st["optimizer"] if st else None)
         self.compute_dtype = compute_dtype_for(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
@@ -448,20 +440,6 @@ class Trainer:
                 self._init_wandb()
         self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
         self.state = "training"
-
-    def _build_optimizer(self, params: list[torch.nn.Parameter], state: dict[str, Any] | None) -> torch.optim.Optimizer:
-        use_device(self.device)     # loading its state allocates on the device
-        optimizer = make_optimizer(params, self.cfg.train, self.device)
-        if state is not None:
-            optimizer.load_state_dict(state)
-        return optimizer
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer, once its builder thread is through (re-raises the builder's error)."""
-        if self._optimizer is None:
-            self._optimizer = self._optimizer_future.result()
-        return self._optimizer
 
     def _init_wandb(self) -> None:
         try:
@@ -584,10 +562,8 @@ class Trainer:
                               batch.seq if batch is not None else "-")
                 else:
                     self.bad_in_row = 0
-                    for g in self.optimizer.param_groups:
-                        g["lr"] = lr
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    self.optimizer.step(lr)
+                self.optimizer.zero_grad()
             self.step += 1
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)

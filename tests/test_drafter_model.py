@@ -111,41 +111,70 @@ def test_config_refuses_a_mask_token_that_is_not_an_embedding_row():
 
 
 def test_target_head_reads_only_embedding_and_head_from_a_sharded_checkpoint(tmp_path, monkeypatch):
-    import safetensors
+    import os
+
     from transformers import Qwen3_5ForCausalLM
+
+    import drafter_trainer.target_head as target_head
 
     _full, text = _qwen35_configs()
     target = Qwen3_5ForCausalLM(text)
     target.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
 
-    read: list[str] = []
-    real_open = safetensors.safe_open
+    read_bytes: list[int] = []
+    real_preadv = os.preadv
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
+    def counting_preadv(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        read_bytes.append(n)
+        return n
 
-        def __enter__(self):
-            self.f = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.f.get_tensor(name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    monkeypatch.setattr(target_head, "READ_CHUNK", 4096)   # several spans and chunks even at this size
     head = read_target_head(str(tmp_path))
-    assert sorted(read) == ["lm_head.weight", "model.embed_tokens.weight"]
+    # the tensor data read is exactly the two tensors: nothing else of the checkpoint
+    assert sum(read_bytes) == 2 * target.lm_head.weight.numel() * target.lm_head.weight.element_size()
+    assert len(read_bytes) > 2
     assert not head.tied
     assert torch.equal(head.embed_tokens, target.model.embed_tokens.weight)
     assert torch.equal(head.lm_head, target.lm_head.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the pinned, multi-stream read")
+def test_cuda_target_head_read_equals_the_cpu_read(tmp_path, monkeypatch):
+    import drafter_trainer.target_head as target_head
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(5)
+    # not a multiple of the chunk: the last chunk of each span is short
+    tensors = {"model.embed_tokens.weight": torch.randn(1001, 96, generator=g).to(torch.bfloat16),
+               "lm_head.weight": torch.randn(1001, 96, generator=g).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"vocab_size": 1001, "hidden_size": 96}')
+    monkeypatch.setattr(target_head, "READ_CHUNK", 4096)
+    head = read_target_head(str(tmp_path), device="cuda")
+    assert head.embed_tokens.device.type == "cuda" and head.embed_tokens.dtype == torch.bfloat16
+    assert torch.equal(head.embed_tokens.cpu(), tensors["model.embed_tokens.weight"])
+    assert torch.equal(head.lm_head.cpu(), tensors["lm_head.weight"])
+
+
+def test_a_truncated_or_mislabelled_head_tensor_is_a_clear_error(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"model.embed_tokens.weight": torch.randn(10, 4), "lm_head.weight": torch.randn(10, 4)}, str(path))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "hidden_size": 4}))
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-8])
+    with pytest.raises(TargetHeadError, match="truncated"):
+        read_target_head(str(tmp_path))
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4, dtype=torch.int8), "lm_head.weight": torch.zeros(10, 4)},
+              str(path))
+    with pytest.raises(TargetHeadError, match="dtype"):
+        read_target_head(str(tmp_path))
 
 
 def test_target_head_of_a_tied_multimodal_checkpoint_is_the_embedding(tmp_path):

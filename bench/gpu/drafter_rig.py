@@ -45,9 +45,11 @@ class DrafterRig:
             * 0.02)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         from common.config import TrainConfig
-        from drafter_trainer.train import make_optimizer
+        from drafter_trainer.optim import trainer_adamw
 
-        self.optimizer = make_optimizer(self.params, TrainConfig(), device)   # as the trainer builds it
+        self.lr = TrainConfig().lr
+        # the trainer's optimizer past its hand-over: torch's fused AdamW
+        self.optimizer = trainer_adamw(self.params, TrainConfig(), device, build_in_background=False)
         self.gamma = default_gamma(block)
         self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32
 
@@ -87,8 +89,8 @@ class DrafterRig:
             allreduce_grads(ranks, self.params)
         norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         if bool(torch.isfinite(norm)) and bool(torch.isfinite(out.loss.detach())):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step(self.lr)
+        self.optimizer.zero_grad()
 
     def timed(self, work: list[tuple[Any, Any]], warmup: int, steps: int, ranks: Any = None) -> list[float]:
         """Seconds of each of `steps` steps after `warmup` untimed ones (peak memory reset between)."""
