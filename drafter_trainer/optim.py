@@ -26,6 +26,8 @@ from torch.optim.adam import adam as adam_update
 
 from common.config import TrainConfig
 
+from .devices import use_device
+
 log = logging.getLogger(__name__)
 
 class OptimizerStateError(ValueError):
@@ -61,8 +63,8 @@ class TrainerAdamW:
     def _prepare(self, saved: dict[str, Any] | None, device: torch.device | None) -> None:
         """Load the saved state, then build torch's AdamW; an error reaches the training thread."""
         try:
-            if device is not None and device.type == "cuda":
-                torch.cuda.set_device(device)   # a new thread starts on cuda:0 (see warmup.use_device)
+            if device is not None:
+                use_device(device)
             if saved is not None:
                 self._load(saved)
             self._loaded.set_result(None)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .devices import use_device
+
 EMBED_NAMES = (
     "model.embed_tokens.weight",
     "model.language_model.embed_tokens.weight",
@@ -153,7 +155,7 @@ def _read_span(span: _Span, device: torch.device, reader: _Reader) -> None:
         if device.type != "cuda":   # straight into the tensor's memory
             _pread_into(fd, memoryview(span.dest.numpy()), span.file_offset, span.path)
             return
-        torch.cuda.set_device(device)   # a new thread starts on cuda:0 (see warmup.use_device)
+        use_device(device)
         if reader.stream is None:
             reader.stream = torch.cuda.Stream(device)
             reader.buffers = [torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]

@@ -48,13 +48,14 @@ from common.seqset import SeqSet
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
 from .checkpoint import latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
 from .control import TrainerControl, TrainerFlags
+from .devices import use_device
 from .export import export_drafter
 from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .optim import TrainerAdamW, trainer_adamw
 from .target_head import TargetHead, read_target_head, text_config
-from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler, use_device,
+from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler,
                      warm_up_kernels)
 
 log = logging.getLogger(__name__)

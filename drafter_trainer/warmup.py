@@ -35,6 +35,7 @@ from torch import nn
 
 from common.batch import PackedBatch
 from drafter_trainer.blocks import build_blocks, sample_anchors
+from drafter_trainer.devices import use_device
 from drafter_trainer.loss import cross_entropy_fn
 from drafter_trainer.model import DFlashDraftModel, resolve_attention
 
@@ -174,15 +175,6 @@ def _quick_gil_handover(on: bool) -> None:
         _handover_users += 1 if on else -1
         if not on and _handover_users == 0:
             sys.setswitchinterval(_handover_default)
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` this thread's current CUDA device. The current device is per thread: a new
-    thread starts on cuda:0, and anything there that uses "the current device" (a bare
-    synchronize, Triton's benchmarking) would open a context of this process on GPU 0, which in
-    a placement belongs to the target server."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
 
 def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:

@@ -46,6 +46,18 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"
 
+    # the first-step profile script (run by hand on the GPU host) on the same fixtures
+    first = tmp_path / "first_step.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "first_step.py"), "--workdir",
+                          str(tmp_path / "work"), "--out-json", str(first), "--device", "cpu", "--attn", "split",
+                          "--layers", "1", "--anchors", "8", "--block", "4", "--loss-chunk", "64",
+                          "--profile", str(tmp_path / "profile.txt")],
+                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = json.loads(first.read_text())["steps"]
+    assert len(steps) == 3 and all(s["step"] > 0 and s["forward_loss"] > 0 for s in steps)
+    assert "aten::" in (tmp_path / "profile.txt").read_text()
+
 
 def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> None:
     import time
