@@ -40,12 +40,15 @@ class TrainerAdamW:
     `saved`: a torch AdamW state_dict to resume from: its moments and step counts. Its
     hyper-parameters are not taken (`load_state_dict` would take them): a trainer restarted with a
     new weight decay or betas trains with the new ones. `build_in_background`: False builds the
-    torch optimizer now; the trainer builds it in a thread.
+    torch optimizer now; the trainer builds it in a thread. `defer_build`: the thread loads the
+    saved state at once but builds torch's optimizer (imports dynamo) only after `start_building`:
+    an import beside the first step slows it (it holds the GIL between every two eager ops).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
                  weight_decay: float, fused: bool, saved: dict[str, Any] | None = None,
-                 device: torch.device | None = None, build_in_background: bool = True) -> None:
+                 device: torch.device | None = None, build_in_background: bool = True,
+                 defer_build: bool = False) -> None:
         self.params = list(params)
         self.group: dict[str, Any] = {"lr": lr, "betas": tuple(betas), "eps": 1e-8, "weight_decay": weight_decay,
                                       "fused": fused}
@@ -54,6 +57,9 @@ class TrainerAdamW:
         self._torch: torch.optim.AdamW | None = None
         self._loaded: Future[None] = Future()    # the saved state is on the device
         self._future: Future[torch.optim.AdamW] = Future()
+        self._go = threading.Event()
+        if not (defer_build and build_in_background):
+            self._go.set()
         if build_in_background:   # loading a saved state copies GBs: beside the first forward and backward
             threading.Thread(target=self._prepare, args=(saved, device), name="optimizer", daemon=True).start()
         else:
@@ -72,6 +78,7 @@ class TrainerAdamW:
             self._loaded.set_exception(e)
             self._future.set_exception(e)
             return
+        self._go.wait()
         try:
             self._future.set_result(self._build())
         except BaseException as e:
@@ -82,6 +89,10 @@ class TrainerAdamW:
         return torch.optim.AdamW(self.params, lr=g["lr"], betas=g["betas"], eps=g["eps"],
                                  weight_decay=g["weight_decay"], fused=g["fused"])
 
+    def start_building(self) -> None:
+        """Let a deferred build of torch's optimizer begin (idempotent)."""
+        self._go.set()
+
     @property
     def handed_over(self) -> bool:
         return self._torch is not None
@@ -90,6 +101,7 @@ class TrainerAdamW:
         """torch's AdamW holding the state of every step so far (waits for its builder)."""
         if self._torch is None:
             self._loaded.result()
+            self.start_building()
             opt = self._future.result()
             for p, st in self.state.items():
                 opt.state[p] = st
@@ -179,12 +191,13 @@ class TrainerAdamW:
 
 
 def trainer_adamw(params: Sequence[torch.nn.Parameter], t: TrainConfig, device: torch.device,
-                  saved: dict[str, Any] | None = None, build_in_background: bool = True) -> TrainerAdamW:
+                  saved: dict[str, Any] | None = None, build_in_background: bool = True,
+                  defer_build: bool = False) -> TrainerAdamW:
     """The trainer's AdamW from `train.*`: fused on CUDA (one launch for every weight: the foreach
     form cost ~35 ms a step at 1.8B parameters on the H200)."""
     return TrainerAdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                         fused=device.type == "cuda", saved=saved, device=device,
-                        build_in_background=build_in_background)
+                        build_in_background=build_in_background, defer_build=defer_build)
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -276,7 +276,10 @@ PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop,
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        if cfg.drafter.compile != "off" and cfg.train.device != "cpu" and torch.cuda.is_available():
+        # Compiling before the first step: import the compiler stack from the first line on. Behind
+        # it, nothing before the first step needs dynamo, and its import would slow that step.
+        if (cfg.drafter.compile != "off" and cfg.drafter.warm_up != "behind" and cfg.train.device != "cpu"
+                and torch.cuda.is_available()):
             preload_compiler()
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
@@ -427,7 +430,8 @@ class Trainer:
             torch.set_rng_state(st["rng"]["torch"])
         # torch.optim imports dynamo, seconds on the H200 host: the first steps run torch's AdamW
         # update without it while the optimizer object is built beside them (optim.py).
-        self.optimizer = trainer_adamw(params, cfg.train, self.device, st["optimizer"] if st else None)
+        self.optimizer = trainer_adamw(params, cfg.train, self.device, st["optimizer"] if st else None,
+                                       defer_build=True)   # started after the first step, or when idle
         self.compute_dtype = compute_dtype_for(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
@@ -508,8 +512,10 @@ class Trainer:
             with self.stages.time("wait_batch"):
                 batch = self._next_batch(ends_seen)
             batch_at = time.perf_counter()
-            if batch is None and self.behind is not None:
-                self.behind.start()     # idle (waiting for the target, paused): compile now
+            if batch is None:           # idle (waiting for the target, paused): import and compile now
+                self.optimizer.start_building()
+                if self.behind is not None:
+                    self.behind.start()
             # agree with the other ranks: [ranks with a batch, stop, checkpoint, ranks past the last epoch,
             # batches trained since resume]
             all_ended = len({e for e in ends_seen if e < cfg.train.epochs}) >= cfg.train.epochs
@@ -568,8 +574,10 @@ class Trainer:
             self.step += 1
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
+                # after the first step: it ran without an importing or tracing thread beside it
+                self.optimizer.start_building()
                 if self.behind is not None:
-                    self.behind.start()     # after the first step: it ran without a tracing thread beside it
+                    self.behind.start()
             if batch is not None:
                 self._record(batch, out, lr, time.perf_counter() - t0, batch_at - t0)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:

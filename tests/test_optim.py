@@ -128,6 +128,22 @@ def test_a_restart_with_new_hyper_parameters_trains_with_them():
     assert opt.state_dict()["state"][0]["step"].item() == 3.0     # the moments and counts were resumed
 
 
+def test_a_deferred_build_waits_for_its_start_and_no_step_waits_for_it():
+    reference = make_params()
+    run_torch(reference, range(5), torch.optim.AdamW(reference, lr=1.0, fused=False, **HYPER))
+    params = make_params()
+    opt = TrainerAdamW(params, lr=1.0, fused=False, defer_build=True, **HYPER)
+    run_trainer(params, range(3), opt)
+    assert opt.early_steps == 3 and not opt._future.done()    # nothing built, nothing imported for it
+    opt.start_building()
+    opt._future.result(timeout=120)
+    run_trainer(params, range(3, 5), opt)
+    assert opt.handed_over and opt.early_steps == 3
+    assert all(torch.equal(p, r) for p, r in zip(params, reference))
+    # a checkpoint of a trainer that never started the build starts it itself (it would hang otherwise)
+    assert TrainerAdamW(make_params(), lr=1.0, fused=False, defer_build=True, **HYPER).state_dict()["state"] == {}
+
+
 @pytest.mark.parametrize("damage", ["fewer weights", "wrong shape", "two groups", "amsgrad"])
 def test_a_saved_state_that_does_not_fit_is_a_clear_error_at_the_first_step(damage):
     params = make_params()
