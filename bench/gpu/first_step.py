@@ -3,8 +3,8 @@
     python bench/gpu/first_step.py --workdir W --out-json F [--reserve] [--profile F.txt]
 
 A fresh process builds the drafter as the trainer does with `drafter.warm_up: behind` (eager,
-dense-mask SDPA where flex is the compiled path; the trainer's AdamW with torch's optimizer built
-in a thread), then times three steps on one of the fixtures' packed batches, each phase behind a
+dense-mask SDPA where flex is the compiled path; the trainer's AdamW; dynamo imported before the
+steps, none beside them), then times three steps on one of the fixtures' packed batches, each phase behind a
 device synchronize: blocks, forward + loss, backward, clip, update. Also recorded: the caching
 allocator's device allocations (cudaMalloc calls) and reserved bytes after each step.
 `--reserve` first grows the allocator by the step's footprint in one allocation (freed at once,
@@ -45,11 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gpu.drafter_rig import DrafterRig
     from drafter_trainer.loss import dflash_loss
-    from drafter_trainer.optim import trainer_adamw
-    from common.config import TrainConfig
-    from drafter_trainer.warmup import eager_attention, preload_compiler
+    from drafter_trainer.warmup import eager_attention
 
-    preload_compiler()   # as the trainer's first line does
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -66,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     rig = DrafterRig(manifest, device, a.layers, a.block, a.anchors, a.loss_chunk, seed=0, attn=a.attn,
                      compile_mode="off")
     rig.model.attn_impl = eager_attention(a.attn, device, rig.config.head_dim)
-    rig.optimizer = trainer_adamw(rig.params, TrainConfig(), device)   # the trainer's: torch's built beside
     fixtures.synchronize(device)
     out["build_s"] = time.perf_counter() - t
     (batch, _), = rig.dataset_work([0])
