@@ -67,6 +67,7 @@ def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
     # a restart must not compile again: the trainer's compile caches live on a volume
     assert trainer["environment"]["TORCHINDUCTOR_CACHE_DIR"].startswith("/cache/compile/")
     assert trainer["environment"]["TRITON_CACHE_DIR"].startswith("/cache/compile/")
+    assert trainer["environment"]["CUDA_CACHE_PATH"].startswith("/cache/compile/")
     assert "/cache/compile" in _mount_targets(trainer)
     assert trainer["environment"]["NCCL_NVLS_ENABLE"] == "0"
     assert "torchrun" in trainer["entrypoint"]
@@ -158,7 +159,7 @@ def test_trainer_unit_follows_target_without_binding_to_it() -> None:
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", text, re.M).group(1))
     assert stop >= 120, "a final checkpoint needs time"
     cache = re.search(r"^CacheDirectory=(\S+)$", text, re.M).group(1)
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # compile once, not on every restart
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"):   # compile once, not per restart
         assert re.search(rf"^Environment={var}=/var/cache/{re.escape(cache)}/", text, re.M), var
     target = (UNITS / "dfpipe-target.service").read_text()
     assert "dfpipe-trainer" not in target
