@@ -707,7 +707,10 @@ def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...
     import threading
 
     errors: list[BaseException] = []
-    start = threading.Barrier(len(runners) + 1)
+    t0 = [0.0]
+    # the clock starts in the barrier's action, before any thread is released: read by the caller
+    # after its own wait, it could start after the timed batches had begun
+    start = threading.Barrier(len(runners) + 1, action=lambda: t0.__setitem__(0, time.perf_counter()))
 
     def loop(runner: Any, share: list[tuple[torch.Tensor, ...]]) -> None:
         try:
@@ -732,13 +735,12 @@ def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...
         start.wait()
     except threading.BrokenBarrierError:
         pass
-    t0 = time.perf_counter()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
     timed_tokens = sum(int(b[0].numel()) for sh in shares for b in sh[1:])
-    return timed_tokens / (time.perf_counter() - t0)
+    return timed_tokens / (time.perf_counter() - t0[0])
 
 
 def recommend_split(target: dict[str, Any], drafter: dict[str, Any], depth_scale: float,
