@@ -6,8 +6,8 @@ warm restart waited for it. The update itself needs none of it: `torch.optim.ada
 very function `AdamW.step` calls, and it imports nothing while nothing is being compiled.
 
 So `TrainerAdamW` steps through that function with state tensors of its own, built exactly as
-`Adam._init_group` builds them, while a background thread constructs the `torch.optim.AdamW`
-(and with it imports dynamo). At the first step after that thread is through, the same tensors
+`Adam._init_group` builds them, until a background thread has constructed the `torch.optim.AdamW`
+(and with it imported dynamo; the trainer lets it start after the first step). At the first step after that thread is through, the same tensors
 are handed to it and every later step is torch's own. Steps before and after the hand-over run
 the same kernels on the same tensors: the weights are bitwise what torch's AdamW alone gives
 (tests/test_optim.py). A checkpoint waits for the hand-over and saves torch's state_dict, so the
@@ -29,6 +29,7 @@ from common.config import TrainConfig
 from .devices import use_device
 
 log = logging.getLogger(__name__)
+
 
 class OptimizerStateError(ValueError):
     """A checkpoint's optimizer state does not fit the drafter's trainable weights."""
@@ -114,9 +115,10 @@ class TrainerAdamW:
     def step(self, lr: float) -> None:
         """One AdamW update of every parameter with a gradient, at learning rate `lr`."""
         self.group["lr"] = lr
-        self._loaded.result()
-        if self._torch is None and self._future.done():
-            self.torch_optimizer()
+        if self._torch is None:
+            self._loaded.result()
+            if self._future.done():
+                self.torch_optimizer()
         if self._torch is not None:
             for g in self._torch.param_groups:
                 g["lr"] = lr
@@ -128,14 +130,13 @@ class TrainerAdamW:
 
     def _early_step(self) -> None:
         g = self.group
-        fused = g["fused"]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in self.params:
             if p.grad is None:
                 continue
             st = self.state.get(p)
             if st is None:   # as Adam._init_group: a device step for the fused kernel, a CPU one otherwise
-                step = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                step = (torch.zeros((), dtype=torch.float32, device=p.device) if g["fused"]
                         else torch.tensor(0.0, dtype=_scalar_dtype()))
                 st = self.state[p] = {"step": step,
                                       "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),

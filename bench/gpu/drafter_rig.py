@@ -47,9 +47,10 @@ class DrafterRig:
         from common.config import TrainConfig
         from drafter_trainer.optim import trainer_adamw
 
-        self.lr = TrainConfig().lr
+        train_cfg = TrainConfig()
+        self.lr = train_cfg.lr
         # the trainer's optimizer past its hand-over: torch's fused AdamW
-        self.optimizer = trainer_adamw(self.params, TrainConfig(), device, build_in_background=False)
+        self.optimizer = trainer_adamw(self.params, train_cfg, device, build_in_background=False)
         self.gamma = default_gamma(block)
         self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32
 
