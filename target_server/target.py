@@ -248,10 +248,14 @@ class TargetRunner:
         non_blocking = out.device != self.device
         # Triton (FLA) launches on the *current* device: make it ours when one process drives several GPUs.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            docs = varlen.PackedDocs.from_doc_lens(doc_lens, self.device)
-            linear_docs = docs.padded(self.fixed_tokens)
-            ids = input_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
-            pos = position_ids.to(self.device, torch.int64, non_blocking=True).unsqueeze(0)
+            host_docs = varlen.PackedDocs.from_doc_lens(doc_lens)
+            linear_docs = host_docs.padded(self.fixed_tokens)
+            if self.linear_backend == "fla":
+                linear_docs = linear_docs.with_fla_chunks()
+            # one copy that does not wait for the previous batch's forward: the host keeps launching
+            ids, pos, docs, linear_docs = varlen.to_device(self.device, input_ids.to(torch.int64),
+                                                           position_ids.to(torch.int64), host_docs, linear_docs)
+            ids, pos = ids.unsqueeze(0), pos.unsqueeze(0)
             hidden = self.model.embed_tokens(ids)
             # Qwen3.5's multimodal RoPE takes (3, batch, T) position rows; transformers 5.24 broadcasts a
             # (batch, T) tensor itself but 5.17 (the GPU host) indexes three dimensions.

@@ -24,7 +24,9 @@ layer's own weights with the document-aware conv and delta rule in place of the 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,14 +50,20 @@ DOCS_KWARG = "dfpipe_docs"
 class PackedDocs:
     """Boundaries of the documents in one packed row, built once per batch and shared by all layers.
 
-    bounds:      [(start, end)] per document as Python ints, so per-document loops never sync the GPU
-    cu_seqlens:  [D+1] int64 on the compute device (the varlen-kernel convention)
-    doc_pos:     [T] int64 on the compute device, the position of each token inside its document
+    bounds:        [(start, end)] per document as Python ints, so per-document loops never sync the GPU
+    cu_seqlens:    [D+1] int64 (the varlen-kernel convention)
+    doc_pos:       [T] int64, the position of each token inside its document
+    chunk_indices: [chunks, 2] int64 (document, chunk within it) for FLA's varlen kernels, or None.
+                   Left to FLA, it is derived from cu_seqlens on the GPU and its length read back:
+                   a host sync in every batch (see `with_fla_chunks`).
+
+    Built on the host (`from_doc_lens`) and moved with `to_device`, which never waits for the GPU.
     """
 
     bounds: tuple[tuple[int, int], ...]
     cu_seqlens: torch.Tensor
     doc_pos: torch.Tensor
+    chunk_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,15 +75,16 @@ class PackedDocs:
         return max(e - s for s, e in self.bounds)
 
     @classmethod
-    def from_doc_lens(cls, doc_lens: torch.Tensor, device: torch.device | str) -> "PackedDocs":
+    def from_doc_lens(cls, doc_lens: torch.Tensor, device: torch.device | str = "cpu") -> "PackedDocs":
         lens = [int(n) for n in doc_lens.tolist()]
         if not lens or min(lens) <= 0:
             raise ValueError(f"doc_lens must be non-empty and positive, got {lens[:8]}")
-        cu = cu_seqlens_of(doc_lens.cpu()).tolist()
-        return cls(bounds=tuple(zip(cu[:-1], cu[1:])),
-                   cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
-                   doc_pos=document_positions(doc_lens.cpu()).to(device))
-
+        host_lens = doc_lens.cpu()
+        cu = cu_seqlens_of(host_lens).to(torch.int64)
+        cu_list = cu.tolist()
+        docs = cls(bounds=tuple(zip(cu_list[:-1], cu_list[1:])), cu_seqlens=cu,
+                   doc_pos=document_positions(host_lens))
+        return docs if torch.device(device).type == "cpu" else to_device(device, docs)[0]
 
     def padded(self, num_tokens: int) -> "PackedDocs":
         """These documents plus one padding document up to `num_tokens` (unchanged if already there).
@@ -88,12 +97,80 @@ class PackedDocs:
         t = self.num_tokens
         if num_tokens <= t:
             return self
+        if self.chunk_indices is not None:
+            raise ValueError("pad the documents before building their FLA chunk table")
         pad = num_tokens - t
-        device = self.cu_seqlens.device
         return PackedDocs(bounds=(*self.bounds, (t, num_tokens)),
-                          cu_seqlens=torch.cat([self.cu_seqlens,
-                                                torch.tensor([num_tokens], dtype=torch.int64, device=device)]),
-                          doc_pos=torch.cat([self.doc_pos, torch.arange(pad, dtype=torch.int64, device=device)]))
+                          cu_seqlens=torch.cat([self.cu_seqlens, self.cu_seqlens.new_full((1,), num_tokens)]),
+                          doc_pos=torch.cat([self.doc_pos, torch.arange(pad, dtype=torch.int64,
+                                                                        device=self.doc_pos.device)]))
+
+    def with_fla_chunks(self) -> "PackedDocs":
+        """These (host) documents with FLA's chunk table, when the installed FLA takes one."""
+        if self.cu_seqlens.device.type != "cpu":
+            raise ValueError("build the FLA chunk table on the host, before to_device")
+        if not fla_takes_chunk_table():
+            return self
+        from fla.ops.utils import prepare_chunk_indices
+
+        table = prepare_chunk_indices(self.cu_seqlens, FLA_CHUNK)
+        return dataclasses.replace(self, chunk_indices=table)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.cu_seqlens, self.doc_pos, self.chunk_indices) if t is not None]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "PackedDocs":
+        cu, pos, *table = tensors
+        return dataclasses.replace(self, cu_seqlens=cu, doc_pos=pos, chunk_indices=table[0] if table else None)
+
+
+# Chunk length (tokens) of FLA's varlen Gated DeltaNet kernels: the default of both its
+# causal_conv1d and chunk_gated_delta_rule, the length their chunk table is built for.
+FLA_CHUNK = 64
+# int64 elements per 16 bytes: every tensor `to_device` sends starts 16-byte aligned in the one
+# device buffer, as Triton specialises kernels on pointer alignment (an odd offset would compile a
+# second variant of each kernel mid-run).
+_ALIGN = 2
+
+
+def to_device(device: torch.device | str, *items: "torch.Tensor | PackedDocs") -> list[Any]:
+    """Integer tensors and PackedDocs of one batch onto `device` in a single copy that never waits.
+
+    A plain `.to(cuda)` of a pageable tensor synchronises the stream, i.e. waits for everything
+    queued before it (the previous batch's whole forward): the GPU then idles while the host
+    launches the next forward's first kernels, and any other thread holding the GIL then
+    (publisher, consumer) lengthens that gap. Here the tensors go through one pinned buffer with a
+    non-blocking copy; torch's pinned allocator keeps that buffer until the copy has run. Tensors
+    come back int64, in the order given; on the CPU the items are returned as they are.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(items)
+    flat: list[torch.Tensor] = []
+    for item in items:
+        flat.extend(item.tensors() if isinstance(item, PackedDocs) else [item])
+    sizes = [t.numel() for t in flat]
+    spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    host = torch.empty(sum(spans), dtype=torch.int64, pin_memory=True)
+    start = 0
+    for t, span in zip(flat, spans):
+        host[start:start + t.numel()].copy_(t.reshape(-1))
+        start += span
+    on_device = host.to(device, non_blocking=True)
+    moved: list[torch.Tensor] = []
+    start = 0
+    for t, span in zip(flat, spans):
+        moved.append(on_device[start:start + t.numel()].view(t.shape))
+        start += span
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, PackedDocs):
+            n = len(item.tensors())
+            out.append(item.with_tensors(moved[:n]))
+            moved = moved[n:]
+        else:
+            out.append(moved.pop(0))
+    return out
 
 
 def _import_first(candidates: tuple[str, ...], name: str) -> Callable[..., Any]:
@@ -119,6 +196,18 @@ def fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     except ImportError:
         return None
     return conv, rule
+
+
+def fla_takes_chunk_table() -> bool:
+    """Whether the installed FLA's varlen conv and delta rule both accept a precomputed `chunk_indices`.
+
+    Not cached: tests block and unblock FLA within one process."""
+    ops = fla_ops()
+    return ops is not None and all("chunk_indices" in inspect.signature(op).parameters for op in ops)
+
+
+def _chunk_table(docs: PackedDocs) -> dict[str, torch.Tensor]:
+    return {} if docs.chunk_indices is None else {"chunk_indices": docs.chunk_indices}
 
 
 def _fla() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -151,7 +240,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if backend == "fla":
         conv, _ = _fla()
         result = conv(x=x.unsqueeze(0).contiguous(), weight=weight, bias=bias, activation=activation,
-                      cu_seqlens=docs.cu_seqlens)
+                      cu_seqlens=docs.cu_seqlens, **_chunk_table(docs))
         y = result[0] if isinstance(result, tuple) else result   # (y, final_state) in FLA >= 0.2
         return y.squeeze(0)
     k = weight.shape[1]
@@ -188,7 +277,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if backend == "fla":
         _, rule = _fla()
         out, _ = rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=True, cu_seqlens=docs.cu_seqlens)
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=docs.cu_seqlens, **_chunk_table(docs))
         return out
     rule = _torch_chunk_rule()
     pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],

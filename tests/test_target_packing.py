@@ -295,3 +295,73 @@ def test_varlen_attention_matches_per_document_sdpa_on_gpu(arch: str, real_fla: 
     moved = runner.capture(ids2, pos, lens)
     later = (moved[:, DOC_LENS[0]:].float() - varlen_out[:, DOC_LENS[0]:].float()).abs().max()
     assert float(later) <= 1e-3 * float(varlen_out.float().abs().max())
+
+
+@cuda_only
+def test_to_device_sends_one_batch_without_waiting_for_the_gpu() -> None:
+    docs = varlen.PackedDocs.from_doc_lens(torch.tensor([3, 1, 70]))
+    odd = torch.arange(7, dtype=torch.int32)          # odd length: the next tensor must still be 16-byte aligned
+    grid = torch.arange(6).view(3, 2)
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(8):                                 # queue work the copy must not wait for
+        busy = busy @ busy / 64
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved_odd, moved_docs, moved_grid = varlen.to_device("cuda", odd, docs, grid)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert moved_odd.dtype == torch.int64 and torch.equal(moved_odd.cpu(), odd.to(torch.int64))
+    assert torch.equal(moved_grid.cpu(), grid) and moved_grid.shape == (3, 2)
+    assert moved_docs.bounds == docs.bounds and moved_docs.chunk_indices is None
+    assert torch.equal(moved_docs.cu_seqlens.cpu(), docs.cu_seqlens)
+    assert torch.equal(moved_docs.doc_pos.cpu(), docs.doc_pos)
+    for t in (moved_odd, moved_docs.cu_seqlens, moved_docs.doc_pos, moved_grid):
+        assert t.is_cuda and t.data_ptr() % 16 == 0
+
+
+@cuda_only
+def test_fla_kernels_take_the_host_built_chunk_table_on_gpu(real_fla: None) -> None:
+    assert varlen.fla_takes_chunk_table(), "the pinned FLA (0.6.0) accepts chunk_indices"
+    lens = [1, 3, 64, 65, 200, 9]
+    host = varlen.PackedDocs.from_doc_lens(torch.tensor(lens)).padded(400).with_fla_chunks()
+    assert host.chunk_indices is not None and host.chunk_indices.shape == (1 + 1 + 1 + 2 + 4 + 1 + 1, 2)
+    (with_table,) = varlen.to_device("cuda", host)
+    without = varlen.PackedDocs.from_doc_lens(torch.tensor(lens), "cuda").padded(400)
+    assert without.chunk_indices is None
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, heads, dk, c = 400, 4, 32, 64
+    x = torch.randn(t, c, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(c, 4, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert torch.equal(varlen.causal_conv1d(x, w, None, with_table, backend="fla"),
+                       varlen.causal_conv1d(x, w, None, without, backend="fla"))
+    q, k, v = (torch.randn(1, t, heads, dk, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    decay = -torch.rand(1, t, heads, device="cuda", generator=g)
+    beta = torch.rand(1, t, heads, device="cuda", generator=g, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")   # given the table, FLA reads nothing back
+    try:
+        fast = varlen.gated_delta_rule(q, k, v, decay, beta, with_table, backend="fla")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(fast, varlen.gated_delta_rule(q, k, v, decay, beta, without, backend="fla"))
+
+
+@cuda_only
+@pytest.mark.parametrize("fixed_tokens", [0, 512])
+def test_a_warm_capture_never_waits_for_the_gpu(fixed_tokens: int, real_fla: None, tiny_dirs: dict[str, str]) -> None:
+    """The host launches batch N+1 while the GPU still runs batch N: nothing in the packed forward
+    (input copies, FLA's varlen set-up, the attention call) may synchronise with the device."""
+    runner = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="fla")
+    runner.fix_linear_shape(fixed_tokens)
+    _, ids, pos, lens = _packed(DOC_LENS, seed=9)
+    out = torch.empty(len(runner.layer_ids), ids.numel(), runner.hidden_size, dtype=runner.dtype, device="cuda")
+    reference = runner.capture(ids, pos, lens).clone()     # the first call tunes the Triton kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            runner.capture(ids, pos, lens, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, reference)

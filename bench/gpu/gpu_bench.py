@@ -24,6 +24,7 @@ without --quick every part says "skipped: no CUDA".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -36,7 +37,7 @@ import threading
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ FULL: dict[str, Any] = dict(
     # data
     token_budget=16384, max_len=3072, median=512.0, sigma=1.0, dataset_docs=4000,
     # parts
-    copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=16, p2_warmup=3, p3_docs=96,
+    copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=16, p2_warmup=3, p2_repeats=3, p3_docs=96,
     p5_tokens=3072, p5_docs=2, anchors=512, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
     p5_warmup=2, p5_attn="sdpa,split,flex", p5_compile="on,off", p5_profile=15, p6_seconds=20.0, p6_skip_steps=3,
     ring_slots=4, matmul_n=8192, step_timeout=420.0,
@@ -70,7 +71,7 @@ FULL: dict[str, Any] = dict(
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
     linear_k_dim=32, linear_v_dim=32, vocab=2048, mask_token_id=2040, token_budget=512, max_len=256,
-    median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p3_docs=24,
+    median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p2_repeats=2, p3_docs=24,
     p5_tokens=256, anchors=32, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
@@ -455,14 +456,16 @@ def part_p23(ctx: Ctx) -> str:
     if ctx.cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)   # as TargetRunner.load leaves it
 
-    # P2: the server's worker path vs the bare forward over the same batches
-    numbers: dict[str, Any] = {"batches_timed": a.p2_batches, "token_budget": budget, "audit_every": a.audit_every}
+    # P2: the server's worker path vs the bare forward over the same batches, repeated in turns
+    numbers: dict[str, Any] = {"batches_timed": a.p2_batches, "token_budget": budget, "audit_every": a.audit_every,
+                               "repeats": a.p2_repeats}
     try:
         dataset = PreparedDataset.open(manifest["data_dir"])
         packer = Packer(dataset.lengths, budget, a.seed)
         seqs = list(range(a.p2_warmup + a.p2_batches))
         batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
         tokens = sum(int(b[0].numel()) for b in batches[a.p2_warmup:])
+        numbers["tokens_timed"] = tokens
 
         def bare_tok_s() -> float:
             for b in batches[: a.p2_warmup]:
@@ -471,24 +474,39 @@ def part_p23(ctx: Ctx) -> str:
             for b in batches[a.p2_warmup:]:
                 runner.capture(*b)
             return tokens / timer.stop().seconds()
-        numbers.update(bare_tok_s=bare_tok_s(), tokens_timed=tokens)
 
-        def cfg() -> Any:
-            return worker_config(budget, max_len, ctx.ring_name("p2"), ctx.shm_dir, a.ring_slots, ctx.cuda_register(),
-                                 a.audit_every)
-        run = run_worker(runner, cfg(), dataset, packer, seqs)
-        numbers.update(worker_tok_s=run.tokens_per_s(a.p2_warmup - 1), worker_stages=run.stages,
-                       quarantined=len(run.quarantined))
-        # diagnostic: the same worker without its per-batch hidden-state audit
-        quiet = run_worker(runner, cfg(), dataset, packer, seqs,
-                           patch=lambda w: setattr(w, "_audit", lambda seq, hidden, arrays: True))
-        numbers["worker_without_audit_tok_s"] = quiet.tokens_per_s(a.p2_warmup - 1)
+        def worker_tok_s(**kwargs: Any) -> Any:
+            cfg = worker_config(budget, max_len, ctx.ring_name("p2"), ctx.shm_dir, a.ring_slots,
+                                ctx.cuda_register(), a.audit_every)
+            return run_worker(runner, cfg, dataset, packer, seqs, **kwargs)
+
+        bare, worker = [], []
+        for _ in range(a.p2_repeats):
+            bare.append(bare_tok_s())
+            run = worker_tok_s()
+            worker.append(run.tokens_per_s(a.p2_warmup - 1))
+        ratios = [w / b for w, b in zip(worker, bare)]
+        numbers.update(bare_tok_s=sum(bare) / len(bare), worker_tok_s=sum(worker) / len(worker),
+                       bare_runs_tok_s=bare, worker_runs_tok_s=worker, ratio_runs=ratios,
+                       worker_stages=run.stages, quarantined=len(run.quarantined))
+        # diagnostics, each against the bare rate above: the worker without its per-batch audit; a
+        # consumer in this process that polls every millisecond (the harness before the seventh
+        # session); and the input copies as they were before it (blocking: every batch first waited
+        # for the previous forward to finish), the bare loop then measured the same way
+        numbers["worker_without_audit_tok_s"] = worker_tok_s(
+            patch=lambda w: setattr(w, "_audit", lambda seq, hidden, arrays: True)).tokens_per_s(a.p2_warmup - 1)
+        numbers["worker_consumer_polling_tok_s"] = worker_tok_s(poll_interval_s=0.001).tokens_per_s(a.p2_warmup - 1)
+        with blocking_input_copies():
+            numbers["bare_blocking_inputs_tok_s"] = bare_tok_s()
+            blocked = worker_tok_s()
+            numbers["worker_blocking_inputs_tok_s"] = blocked.tokens_per_s(a.p2_warmup - 1)
+            numbers["worker_blocking_inputs_stages"] = blocked.stages
         # the baseline again, after the workers: how much the bare rate itself moves within a run
         numbers["bare_after_tok_s"] = bare_tok_s()
         del batches
         ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
-        ratio = numbers["worker_tok_s"] / numbers["bare_tok_s"]
-        print(json.dumps({k: v for k, v in numbers.items() if k != "worker_stages"}, indent=1))
+        ratio = sum(ratios) / len(ratios)
+        print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
         ctx.store.benchmark("P2", {"worker_over_bare_forward": ratio}, numbers)
     except Exception as e:
         traceback.print_exc()
@@ -698,6 +716,24 @@ def part_scale(ctx: Ctx) -> str:
     ctx.store.figures("scale", **figures)
     print(json.dumps(figures["split"], indent=1))
     return "measured"
+
+
+@contextlib.contextmanager
+def blocking_input_copies() -> Iterator[None]:
+    """The target's input copies as they were before the seventh session: one `.to(device)` per
+    tensor from pageable memory, each of which waits for the stream (the previous forward)."""
+    from target_server import varlen
+
+    def blocking(device: Any, *items: Any) -> list[Any]:
+        return [item.with_tensors([t.to(device) for t in item.tensors()]) if isinstance(item, varlen.PackedDocs)
+                else item.to(device) for item in items]
+
+    shipped = varlen.to_device
+    varlen.to_device = blocking
+    try:
+        yield
+    finally:
+        varlen.to_device = shipped
 
 
 def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...]]) -> float:

@@ -3,6 +3,9 @@
 This is the server's production path (CUDA: forward -> staging buffer -> publisher thread ->
 copy stream -> registered slot -> event -> publish), minus ZeroMQ: the consumer here scans the
 ring's headers itself, hands each READY slot to `on_slot`, acks it at once and wakes the producer.
+It scans when a publisher reports a publish, as the server's announcer is woken; a real trainer is
+another process, so a consumer that polled here would take the GIL from the worker's launch loop
+(the `poll_interval_s` variant measures that).
 
     seqs -> Dispatcher -> TargetWorker thread(s) -> ring slot READY -> consumer (this thread)
                                                                           on_slot(view); ack; wake
@@ -55,18 +58,21 @@ def worker_config(token_budget: int, max_len: int, ring_name: str, shm_dir: str,
 
 def run_worker(runner: Any, cfg: Config, dataset: Any, packer: Any, seqs: list[int],
                on_slot: Callable[[SlotView], None] | None = None,
-               patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0) -> WorkerRun:
+               patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
+               poll_interval_s: float | None = None) -> WorkerRun:
     """Serve `seqs` through one TargetWorker (see run_workers)."""
-    return run_workers([runner], cfg, dataset, packer, seqs, on_slot, patch, timeout_s)
+    return run_workers([runner], cfg, dataset, packer, seqs, on_slot, patch, timeout_s, poll_interval_s)
 
 
 def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs: list[int],
                 on_slot: Callable[[SlotView], None] | None = None,
-                patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0) -> WorkerRun:
+                patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
+                poll_interval_s: float | None = None) -> WorkerRun:
     """Serve `seqs` through one TargetWorker per runner (one ring each, one shared dispatcher: the
     server's shape); every published slot goes through on_slot, then is acked.
 
-    `patch` may alter each worker before it starts (a diagnostic variant). Raises a worker's own
+    `patch` may alter each worker before it starts (a diagnostic variant). The consumer scans the
+    rings when a worker reports a publish, or every `poll_interval_s` when given. Raises a worker's own
     error if one fails, TimeoutError if the seqs are not all published or quarantined in time.
     """
     run = WorkerRun()
@@ -74,8 +80,10 @@ def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs
     dispatcher.reset(list(seqs))
     workers: list[TargetWorker] = []
     lock = threading.Lock()
+    published = threading.Event()
 
     def on_publish() -> None:  # a publisher thread, after each publish (and once on failure)
+        published.set()
         with lock:
             batches = sum(w.batches for w in workers)
             if batches > (run.publishes[-1][1] if run.publishes else 0):
@@ -106,7 +114,9 @@ def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{run.received} of {len(seqs)} seqs published within {timeout_s}s "
                                    f"({len(run.quarantined)} quarantined)")
-            idle = True
+            if poll_interval_s is None:
+                published.wait(0.1)   # the timeout only bounds how late a failure or the deadline is seen
+                published.clear()     # before the scan: a publish during it sets the event again
             for worker, consumer in zip(workers, consumers):
                 infos = worker.ring.ready()
                 for info in infos:
@@ -119,10 +129,9 @@ def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs
                     consumer.ack(info.index, info.pub_seq, CONSUMER_EPOCH)
                     run.received += 1
                 if infos:
-                    idle = False
                     worker.ring.wake()
-            if idle:
-                time.sleep(0.001)  # releases the GIL for the workers' launch loops
+            if poll_interval_s is not None:
+                time.sleep(poll_interval_s)
     finally:
         for worker in workers:
             worker.stop()
