@@ -501,6 +501,9 @@ def part_p23(ctx: Ctx) -> str:
             blocked = worker_tok_s()
             numbers["worker_blocking_inputs_tok_s"] = blocked.tokens_per_s(a.p2_warmup - 1)
             numbers["worker_blocking_inputs_stages"] = blocked.stages
+            # both as they were: the producer and harness of runs before the seventh session
+            numbers["worker_blocking_inputs_consumer_polling_tok_s"] = worker_tok_s(
+                poll_interval_s=0.001).tokens_per_s(a.p2_warmup - 1)
         # the baseline again, after the workers: how much the bare rate itself moves within a run
         numbers["bare_after_tok_s"] = bare_tok_s()
         del batches
