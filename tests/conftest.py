@@ -48,3 +48,22 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from target_server.tiny import build_tiny_target
     root = tmp_path_factory.mktemp("tiny-targets")
     return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ("qwen3.5", "qwen3")}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    e2e = sys.modules.get("e2e")   # imported only by the tests that start services
+    if e2e is not None:
+        e2e.Service.started.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """A failing end-to-end test reports the last lines of every service it started: on the GPU
+    host its temp folder does not come back, and a timeout alone does not say which side stalled."""
+    outcome = yield
+    report = outcome.get_result()
+    e2e = sys.modules.get("e2e")
+    if e2e is None or report.when != "call" or not report.failed:
+        return
+    for svc in e2e.Service.started:
+        report.sections.append((f"{svc.role} log, pid {svc.pid} (last 80 lines)", svc.log(80)))

@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -66,6 +66,9 @@ def load(path: Path) -> dict[str, Any]:
 class Service:
     """One `dfpipe <role>` process in its own process group, logging to a file."""
 
+    # the services started by the running test: conftest puts their logs in a failing test's report
+    started: ClassVar[list["Service"]] = []
+
     def __init__(self, role: str, config: Path, log_dir: Path, env: dict[str, str] | None = None,
                  overrides: list[str] | None = None) -> None:
         self.role = role
@@ -76,6 +79,7 @@ class Service:
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
                                      env=full_env, start_new_session=True)
+        Service.started.append(self)
 
     @property
     def pid(self) -> int:
