@@ -32,6 +32,9 @@ from .delivery import Dispatcher, Work
 
 log = logging.getLogger(__name__)
 
+# Document length of the warm-up's unpacked audit forward (any length tunes the same kernels).
+AUDIT_WARMUP_TOKENS = 128
+
 
 @dataclass
 class AuditResult:
@@ -111,7 +114,13 @@ class TargetWorker(threading.Thread):
         self.state = "serving"
 
     def _warmup(self) -> None:
-        """Run the fixed token-budget shape once, before any trainer connects (Triton autotune)."""
+        """Run the fixed token-budget shape once, before any trainer connects (Triton autotune).
+
+        With the unpacked audit on, also run its reference forward: transformers' own forward
+        calls FLA's non-varlen kernels, which tune separately from the packed path's. Left to the
+        first audited batch, that tuning (over a minute on a fresh Triton cache) happens while a
+        trainer waits, and holds the GPU beside it.
+        """
         t0 = time.perf_counter()
         budget = self.cfg.data.token_budget
         doc = min(budget, self.cfg.data.max_len)
@@ -120,6 +129,10 @@ class TargetWorker(threading.Thread):
         ids = torch.randint(0, self.runner.vocab_size, (budget,), generator=torch.Generator().manual_seed(0))
         pos = torch.cat([torch.arange(n) for n in lens])
         self.runner.capture(ids, pos, doc_lens)
+        if self.cfg.target.audit_every:
+            # Triton specialises an integer argument on being divisible by 16: one length of each kind
+            for n in sorted({min(doc, AUDIT_WARMUP_TOKENS), min(doc, AUDIT_WARMUP_TOKENS) - 1} - {0}):
+                self.runner.capture_unpacked(ids[:n])
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         self.stages.add("warmup", time.perf_counter() - t0)

@@ -366,6 +366,46 @@ def test_a_non_finite_batch_is_quarantined_and_never_published(shm_dir: str, rin
     assert published == [0, 1, 3]
 
 
+class _RecordingTarget(_NaNOnThirdCall):
+    """A stand-in target that records the token counts of its packed and unpacked forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: list[int] = []
+        self.unpacked: list[int] = []
+
+    def capture(self, input_ids, position_ids, doc_lens, out=None):
+        self.packed.append(int(input_ids.shape[0]))
+        return super().capture(input_ids, position_ids, doc_lens, out)
+
+    def capture_unpacked(self, input_ids):
+        self.unpacked.append(int(input_ids.shape[0]))
+        return torch.zeros(2, input_ids.shape[0], self.hidden_size)
+
+
+@pytest.mark.parametrize("audit_every, max_len, unpacked", [(5, 512, [127, 128]), (0, 512, []), (5, 64, [63, 64])])
+def test_warmup_also_tunes_the_audits_reference_forward(audit_every: int, max_len: int, unpacked: list[int],
+                                                         shm_dir: str, ring_name: str) -> None:
+    cfg = load_config(None, [f"ring.name={ring_name}", f"ring.shm_dir={shm_dir}", "ring.slots=2",
+                             "ring.cuda_register=off", "data.token_budget=512", f"data.max_len={max_len}",
+                             "target.warmup=true", f"target.audit_every={audit_every}"])
+    target = _RecordingTarget()
+    dispatcher = Dispatcher()
+    worker = TargetWorker(0, "cpu", cfg, lambda device: target, _Dataset(), _Packer(1), dispatcher,
+                          notify=lambda: None, on_quarantine=lambda seq, why: None, stages=StageTimes())
+    worker.start()
+    try:
+        assert worker.ready.wait(30) and worker.error is None, worker.error
+        assert target.packed == [512]           # the token budget, packed, before serving
+        assert target.unpacked == unpacked      # before serving too: nothing left to tune mid-run
+        assert worker.state == "serving"
+    finally:
+        worker.stop()
+        dispatcher.stop()
+        worker.join(10)
+        worker.close()
+
+
 def test_audit_rejects_zero_rows_and_huge_norms() -> None:
     good = torch.randn(2, 6, 8)
     lens = np.array([6])
