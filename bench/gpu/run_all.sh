@@ -67,7 +67,7 @@ cleanup_children
 # ---- parts ----------------------------------------------------------------------------------------
 # name, upper limit (s), least time it needs (s): a slow part may not eat the later parts' minimum.
 read -ra PARTS <<< "${BENCH_PARTS:-env tests copycheck p1 p5 p23 services scale placements}"  # BENCH_PARTS: a subset, in order
-declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-240} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p23]=${P23_LIMIT:-180}
+declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p23]=${P23_LIMIT:-180}
                   [services]=300 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300})
 declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p23]=50 [services]=150 [scale]=60
                  [placements]=100)
