@@ -137,11 +137,11 @@ def to_device(device: torch.device | str, *items: "torch.Tensor | PackedDocs") -
     """Integer tensors and PackedDocs of one batch onto `device` in a single copy that never waits.
 
     A plain `.to(cuda)` of a pageable tensor synchronises the stream, i.e. waits for everything
-    queued before it (the previous batch's whole forward): the GPU then idles while the host
-    launches the next forward's first kernels, and any other thread holding the GIL then
-    (publisher, consumer) lengthens that gap. Here the tensors go through one pinned buffer with a
-    non-blocking copy; torch's pinned allocator keeps that buffer until the copy has run. Tensors
-    come back int64, in the order given; on the CPU the items are returned as they are.
+    queued before it (the previous batch's whole forward): the host then has no lead, and must
+    launch the next forward's first kernels, against any other thread that wants the GIL, while
+    the GPU waits. Here the tensors go through one pinned buffer with a non-blocking copy; torch's
+    pinned allocator keeps that buffer until the copy has run. Tensors come back int64, in the
+    order given; on the CPU the items are returned as they are.
     """
     device = torch.device(device)
     if device.type == "cpu":
