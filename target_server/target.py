@@ -128,6 +128,8 @@ class TargetRunner:
         # "auto": one flash varlen call per attention layer on CUDA, SDPA per document elsewhere
         # (varlen.packed_attention); the benchmarks set the others to compare.
         self.attention_path = "auto"
+        # FLA's chunk table built on the host with each batch (varlen.PackedDocs.with_fla_chunks)
+        self._fla_chunk_table = linear_backend == "fla" and varlen.fla_takes_chunk_table()
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "auto", layer_ids: list[int] | None = None,
@@ -250,7 +252,7 @@ class TargetRunner:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             host_docs = varlen.PackedDocs.from_doc_lens(doc_lens)
             linear_docs = host_docs.padded(self.fixed_tokens)
-            if self.linear_backend == "fla":
+            if self._fla_chunk_table:
                 linear_docs = linear_docs.with_fla_chunks()
             # one copy that does not wait for the previous batch's forward: the host keeps launching
             ids, pos, docs, linear_docs = varlen.to_device(self.device, input_ids.to(torch.int64),

@@ -106,11 +106,9 @@ class PackedDocs:
                                                                         device=self.doc_pos.device)]))
 
     def with_fla_chunks(self) -> "PackedDocs":
-        """These (host) documents with FLA's chunk table, when the installed FLA takes one."""
+        """These (host) documents with FLA's chunk table (for an FLA that takes one: `fla_takes_chunk_table`)."""
         if self.cu_seqlens.device.type != "cpu":
             raise ValueError("build the FLA chunk table on the host, before to_device")
-        if not fla_takes_chunk_table():
-            return self
         from fla.ops.utils import prepare_chunk_indices
 
         table = prepare_chunk_indices(self.cu_seqlens, FLA_CHUNK)
@@ -157,20 +155,14 @@ def to_device(device: torch.device | str, *items: "torch.Tensor | PackedDocs") -
         host[start:start + t.numel()].copy_(t.reshape(-1))
         start += span
     on_device = host.to(device, non_blocking=True)
-    moved: list[torch.Tensor] = []
+    moved = []
     start = 0
     for t, span in zip(flat, spans):
         moved.append(on_device[start:start + t.numel()].view(t.shape))
         start += span
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, PackedDocs):
-            n = len(item.tensors())
-            out.append(item.with_tensors(moved[:n]))
-            moved = moved[n:]
-        else:
-            out.append(moved.pop(0))
-    return out
+    views = iter(moved)
+    return [item.with_tensors([next(views) for _ in item.tensors()]) if isinstance(item, PackedDocs)
+            else next(views) for item in items]
 
 
 def _import_first(candidates: tuple[str, ...], name: str) -> Callable[..., Any]:

@@ -130,9 +130,10 @@ class TargetWorker(threading.Thread):
         pos = torch.cat([torch.arange(n) for n in lens])
         self.runner.capture(ids, pos, doc_lens)
         if self.cfg.target.audit_every:
-            # Triton specialises an integer argument on being divisible by 16: one length of each kind
-            for n in sorted({min(doc, AUDIT_WARMUP_TOKENS), min(doc, AUDIT_WARMUP_TOKENS) - 1} - {0}):
-                self.runner.capture_unpacked(ids[:n])
+            n = min(doc, AUDIT_WARMUP_TOKENS)
+            for length in (n - 1, n):   # Triton specialises an integer on being divisible by 16: one of each
+                if length > 0:
+                    self.runner.capture_unpacked(ids[:length])
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         self.stages.add("warmup", time.perf_counter() - t0)
