@@ -17,6 +17,9 @@ from typing import Any
 
 import yaml
 
+# the wire's bounds: a config the protocol cannot carry is refused at load, naming its key
+from common.protocol import MAX_EPOCHS, MAX_HELDOUT, MAX_SLOTS, MAX_WORKERS
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key."""
@@ -199,7 +202,7 @@ def validate(cfg: Config) -> Config:
         if not cond:
             raise ConfigError(msg)
 
-    need(cfg.ring.slots >= 2, "ring.slots: need at least 2 slots per worker")
+    need(2 <= cfg.ring.slots <= MAX_SLOTS, f"ring.slots: 2 to {MAX_SLOTS} slots per worker")
     need(cfg.ring.cuda_register in ("auto", "off", "require"), "ring.cuda_register: auto | off | require")
     need(bool(cfg.ring.name) and "/" not in cfg.ring.name, "ring.name: a non-empty name without '/'")
     need(cfg.data.token_budget >= 16, "data.token_budget: at least 16 tokens")
@@ -209,7 +212,7 @@ def validate(cfg: Config) -> Config:
          "a document never spans two batches")
     need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
     need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")
-    need(bool(cfg.target.devices), "target.devices: at least one device")
+    need(1 <= len(cfg.target.devices) <= MAX_WORKERS, f"target.devices: 1 to {MAX_WORKERS} devices (one worker each)")
     gpus = [d for d in cfg.train.devices if d != "cpu"]
     need(len(set(gpus)) == len(gpus), "train.devices: each GPU once (one rank per GPU; \"cpu\" may repeat)")
     need(cfg.target.dtype in ("auto", "bf16", "fp32", "fp16"), "target.dtype: auto | bf16 | fp16 | fp32")
@@ -225,14 +228,14 @@ def validate(cfg: Config) -> Config:
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,
          "drafter.sliding_window: required when a layer is sliding_attention")
-    need(cfg.train.epochs >= 1, "train.epochs: at least 1")
+    need(1 <= cfg.train.epochs <= MAX_EPOCHS, f"train.epochs: 1 to {MAX_EPOCHS} (the protocol's plan of a run)")
     need(cfg.train.lr > 0, "train.lr: must be positive")
     need(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio: in [0, 1)")
     need(len(cfg.train.betas) == 2, "train.betas: two numbers")
     need(cfg.train.checkpoint_every >= 1, "train.checkpoint_every: at least 1 step")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: at least 1")
     need(cfg.train.eval_every >= 0, "train.eval_every: 0 (off) or a positive number of steps")
-    need(cfg.train.eval_batches >= 1, "train.eval_batches: at least 1")
+    need(1 <= cfg.train.eval_batches <= MAX_HELDOUT, f"train.eval_batches: 1 to {MAX_HELDOUT}")
     need(cfg.train.eval_every == 0 or bool(cfg.data.heldout_path),
          f"train.eval_every ({cfg.train.eval_every}) needs data.heldout_path: held-out batches come from "
          "the target server (set data.heldout_path, or train.eval_every: 0)")

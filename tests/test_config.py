@@ -29,6 +29,13 @@ def test_overrides_apply_and_are_type_checked(tmp_path: Path) -> None:
     assert cfg.train.lr == 3e-4 and cfg.ring.slots == 3
     with pytest.raises(ConfigError, match="train.epochs"):
         load_config(None, ["train.epochs=many"])
+    # more epochs than a HELLO can carry: refused at load, not by the trainer's first message
+    with pytest.raises(ConfigError, match=r"train.epochs: 1 to 4096"):
+        load_config(None, ["train.epochs=10000"])
+    assert load_config(None, ["train.epochs=4096"]).train.epochs == 4096
+    for key, value in (("ring.slots", "70000"), ("train.eval_batches", "5000")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [f"{key}={value}"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["train.lr"])
 
