@@ -46,6 +46,13 @@ def sample_stats(trained_samples: dict[int, np.ndarray], epoch: int, epoch_sampl
             "epoch_samples": epoch_samples}
 
 
+def epoch_stats(trained_samples: dict[int, np.ndarray]) -> dict[str, dict[str, int]]:
+    """The same accounting for every epoch the run has trained from, so a run of many epochs (and
+    restarts) can be audited from its last checkpoint alone. String keys: it goes into JSON."""
+    return {str(e): {k: v for k, v in sample_stats(trained_samples, e, 0).items() if k != "epoch_samples"}
+            for e in sorted(trained_samples)}
+
+
 def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> str:
     root = checkpoint_root(out_dir)
     os.makedirs(root, exist_ok=True)
@@ -112,10 +119,11 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def inspect(path: str) -> dict[str, Any]:
-    """What `dfpipe inspect` prints: the meta plus the accounting of the current epoch."""
+    """What `dfpipe inspect` prints: the meta, the accounting of the current epoch and (from
+    checkpoints that carry it) of every epoch before it."""
     meta = read_meta(path)
     have = SeqSet.from_wire(meta["have"])
     out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
-                                "config_hash", "skipped_steps", "time") if k in meta}
+                                "epochs", "config_hash", "skipped_steps", "time") if k in meta}
     out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"]})
     return out

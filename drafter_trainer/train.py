@@ -46,7 +46,7 @@ from common.metrics import StageTimes, start_metrics_server
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
+from .checkpoint import latest_checkpoint, epoch_stats, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import export_drafter
@@ -373,7 +373,8 @@ class Trainer:
                      "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
             meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason,
                     "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
-                    "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples)}
+                    "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
+                    "epochs": epoch_stats(samples_np)}
             self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
                                                    self.cfg.train.keep_checkpoints)
             self.feed.commit(have, self.step)

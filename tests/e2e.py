@@ -142,3 +142,15 @@ def inspect_run(config: Path) -> dict[str, Any]:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def assert_exactly_once(config: Path) -> dict[str, Any]:
+    """The finished run's last checkpoint: every sample of every epoch trained, none twice."""
+    info = inspect_run(config)
+    assert info["samples_trained"] == info["epoch_samples"] > 0, info
+    assert info["samples_duplicated"] == 0, info
+    epochs = info["epochs"]
+    assert sorted(epochs, key=int) == [str(e) for e in range(info["epoch"] + 1)], info
+    for e, stats in epochs.items():
+        assert stats == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0}, (e, info)
+    return info

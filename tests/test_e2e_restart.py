@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import CACHE, DEMO, Service, ctl, inspect_run, load, wait_for, write_config
+from e2e import CACHE, DEMO, Service, assert_exactly_once, ctl, inspect_run, load, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -24,14 +24,6 @@ def _serving(endpoint: str):
 def _trained_at_least(endpoint: str, n: int):
     s = ctl(endpoint, "status")
     return s if s and s.get("batches_trained", 0) >= n else None
-
-
-def _assert_exactly_once(config: Path) -> dict:
-    info = inspect_run(config)
-    assert info["epoch_samples"] > 0
-    assert info["samples_trained"] == info["epoch_samples"], info
-    assert info["samples_duplicated"] == 0, info
-    return info
 
 
 def _no_ring_files(cfg: dict) -> None:
@@ -78,7 +70,7 @@ def test_trainer_killed_repeatedly_still_trains_every_sample_exactly_once(tmp_pa
         final = Service("trainer", config, tmp_path)
         trainers.append(final)
         assert final.wait(300) == 0, final.log()
-        _assert_exactly_once(config)
+        assert_exactly_once(config)
         status = ctl(ep_target, "status")
         assert status["pid"] == first["pid"] == target.pid
         assert status["model_loads"] == 1
@@ -125,7 +117,7 @@ def test_graceful_shutdown_then_restart_with_new_learning_rate_keeps_exactly_onc
         tr3 = Service("trainer", config, tmp_path, overrides=["train.lr=0.0005"])
         services.append(tr3)
         assert tr3.wait(300) == 0, tr3.log()
-        _assert_exactly_once(config)
+        assert_exactly_once(config)
         assert ctl(ep_target, "status")["model_loads"] == 1
     finally:
         for s in services[::-1]:
@@ -147,7 +139,7 @@ def test_target_killed_mid_epoch_trainer_waits_and_resumes_with_nothing_lost(tmp
         target2 = Service("target-server", config, tmp_path)
         services.append(target2)
         assert tr.wait(300) == 0, tr.log() + "\n--- target ---\n" + target2.log()
-        _assert_exactly_once(config)
+        assert_exactly_once(config)
         status = ctl(ep_target, "status")
         assert status["pid"] == target2.pid and status["model_loads"] == 1
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e import REPO, Service, ctl, inspect_run, load, wait_for, write_config, write_heldout
+from e2e import REPO, Service, assert_exactly_once, ctl, inspect_run, load, wait_for, write_config, write_heldout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -23,13 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def _serving(endpoint: str):
     s = ctl(endpoint, "status")
     return s if s and s.get("state") == "serving" else None
-
-
-def _exactly_once(config: Path) -> dict:
-    info = inspect_run(config)
-    assert info["samples_trained"] == info["epoch_samples"] > 0, info
-    assert info["samples_duplicated"] == 0, info
-    return info
 
 
 def _cuda_devices() -> int:
@@ -52,7 +45,7 @@ class Torchrun(Service):
 
 @pytest.mark.skipif(os.environ.get("DFPIPE_TEST_TRAINER_DEVICE", "cpu") != "cpu" and _cuda_devices() < 2,
                     reason="two CUDA ranks need two GPUs (NCCL refuses two ranks on one device)")
-def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -> None:
+def test_two_ranks_in_lockstep_train_every_sampleassert_exactly_once(tmp_path: Path) -> None:
     # rank 0 also evaluates held-out batches every 2 steps: the other rank must not stall or deadlock
     config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
                           train={"eval_every": 2, "eval_batches": 2})
@@ -65,7 +58,7 @@ def test_two_ranks_in_lockstep_train_every_sample_exactly_once(tmp_path: Path) -
             assert ranks.wait(600) == 0, ranks.log()
         finally:
             ranks.stop()
-        info = _exactly_once(config)
+        info = assert_exactly_once(config)
         status = ctl(cfg["service"]["target_endpoint"], "status")
         assert status["sessions"] == 1, "both ranks joined one trainer session"
         assert info["batches"] == sum(status["epoch_sizes"])
@@ -97,7 +90,7 @@ def test_a_hung_trainer_is_fenced_and_rejoins_without_losing_or_repeating_a_samp
         log = trainer.log(tail=10_000)
         # either it learned of the fence first, or it had already re-joined when the FENCED arrived
         assert "fenced by the target server" in log or "already superseded by a new HELLO" in log, log
-        _exactly_once(config)
+        assert_exactly_once(config)
         assert ctl(ep_target, "status")["sessions"] >= 2
     finally:
         if trainer is not None:
@@ -165,7 +158,7 @@ def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing
         finally:
             second.stop()
         assert "compiled kernels ready after" in second.log(tail=10_000)
-        _exactly_once(config)
+        assert_exactly_once(config)
     finally:
         target.stop()
 
@@ -176,7 +169,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_heldout_eval_reports_tau_every_n_steps_without_touching_exactly_once(tmp_path: Path) -> None:
+def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_once(tmp_path: Path) -> None:
     every, port = 2, _free_port()
     config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
                           train={"eval_every": every, "eval_batches": 2, "checkpoint_every": 50},
@@ -197,7 +190,7 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touching_exactly_once(tm
         assert "dfpipe_trainer_eval_tau " in body and "dfpipe_trainer_eval_loss " in body
         assert trainer.wait(300) == 0, trainer.log()
 
-        info = _exactly_once(config)   # held-out batches are never trained on nor counted
+        info = assert_exactly_once(config)   # held-out batches are never trained on nor counted
         target_status = ctl(cfg["service"]["target_endpoint"], "status")
         assert info["batches"] == sum(target_status["epoch_sizes"])
         assert target_status["heldout"]["acked"] == 2 and target_status["batches"]["acked"] == info["batches"]

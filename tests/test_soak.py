@@ -1,0 +1,59 @@
+"""The chaos soak (`bench/soak.py`): its checks can fail, and a short run of it, taking every
+action once, passes. The long runs are made by hand and recorded in docs/benchmarks.md."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.soak import ACTIONS, TARGET_KILL, audit_epochs, lifetime_trends  # noqa: E402
+
+
+def _info(epoch: int, size: int, **epochs: tuple[int, int]) -> dict:
+    return {"epoch": epoch, "epoch_samples": size,
+            "epochs": {k.lstrip("e"): {"samples_trained": t, "samples_duplicated": d} for k, (t, d) in epochs.items()}}
+
+
+def test_the_epoch_audit_names_every_loss_and_every_duplicate() -> None:
+    assert audit_epochs(_info(2, 10, e0=(10, 0), e1=(10, 0), e2=(4, 0))) == []
+    assert audit_epochs(_info(2, 10, e0=(10, 0), e1=(9, 0), e2=(4, 1))) == [
+        "epoch 1: 9 of 10 samples trained", "epoch 2: 1 samples trained twice"]
+    assert audit_epochs(_info(1, 10, e1=(3, 0))) == ["epoch 0: nothing trained"]
+    assert audit_epochs({"epoch": 0, "epoch_samples": 5})[0].startswith("the checkpoint carries no per-epoch")
+
+
+def test_lifetime_trends_see_a_steady_climb_and_not_the_settling_minute() -> None:
+    rows = [{"target": "target-1", "t": 1000.0 + s, "rss_mb": (900.0 if s < 60 else 500.0 + s / 36.0),
+             "threads": 9, "fds": 20 + (s % 3), "ring_files": 1} for s in range(0, 1200, 2)]
+    rows += [{"target": "target-2", "t": 3000.0 + s, "rss_mb": 400.0, "threads": 9, "fds": 20, "ring_files": 1}
+             for s in range(0, 30, 2)]   # too short a life to judge
+    (life,) = lifetime_trends(rows, settle_s=60)
+    assert life["target"] == "target-1"
+    assert life["rss_mb_per_hour"] == pytest.approx(100.0, rel=1e-6)   # 1/36 MB a second
+    assert life["fds"] == [20, 22] and life["threads"] == [9, 9]
+    assert life["rss_mb_first"] == pytest.approx(500.0 + 60 / 36.0, abs=0.05)   # the first minute left out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_short_soak_takes_every_action_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--minutes", "0", "--samples", "60",
+                          "--seed", "3", "--every-action-first", "--workdir", str(tmp_path), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=560)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["failures"] == []
+    assert result["actions"] == {name: 1 for name in [*(n for _, n in ACTIONS), TARGET_KILL]}
+    assert result["targets_started"] == 2 and result["final_target_exit"] == 0
+    info = result["checkpoint"]
+    assert info["epoch"] >= 1 and info["samples_duplicated"] == 0
+    # after all that, the finished epochs hold every sample once
+    assert all(info["epochs"][str(e)] == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0}
+               for e in range(info["epoch"]))
