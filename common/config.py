@@ -92,6 +92,7 @@ class TrainConfig:
     checkpoint_every: int = 200         # steps
     keep_checkpoints: int = 3
     max_bad_steps: int = 8              # consecutive non-finite steps before checkpoint-and-stop
+    max_checkpoint_failures: int = 3    # consecutive failed checkpoints (full disk...) before stopping
     eval_every: int = 0                 # steps between held-out evals; 0: off (needs data.heldout_path)
     eval_batches: int = 4               # held-out packed batches the target server serves per session
     log_every: int = 10
@@ -234,6 +235,7 @@ def validate(cfg: Config) -> Config:
     need(len(cfg.train.betas) == 2, "train.betas: two numbers")
     need(cfg.train.checkpoint_every >= 1, "train.checkpoint_every: at least 1 step")
     need(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints: at least 1")
+    need(cfg.train.max_checkpoint_failures >= 1, "train.max_checkpoint_failures: at least 1")
     need(cfg.train.eval_every >= 0, "train.eval_every: 0 (off) or a positive number of steps")
     need(1 <= cfg.train.eval_batches <= MAX_HELDOUT, f"train.eval_batches: 1 to {MAX_HELDOUT}")
     need(cfg.train.eval_every == 0 or bool(cfg.data.heldout_path),

@@ -1,4 +1,6 @@
-"""Named crash points for the restart tests: `DFPIPE_FAULT=<name>` kills the process there.
+"""Named fault points for the restart tests. `DFPIPE_FAULT=<name>` kills the process at a crash
+point; `DFPIPE_FAULT=<name>:<n>` makes the first n passes through an error point fail as a full
+disk does.
 
 A `kill -9` from outside lands wherever the process happens to be; these points make the worst
 moments (half-written checkpoint, slot written but not published) reproducible. Unset, a fault
@@ -6,6 +8,7 @@ point costs one dict lookup.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -13,3 +16,15 @@ import signal
 def fault_point(name: str) -> None:
     if os.environ.get("DFPIPE_FAULT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_error_passes: dict[str, int] = {}
+
+
+def fault_error(name: str) -> None:
+    spec = os.environ.get("DFPIPE_FAULT", "")
+    if not spec.startswith(name + ":"):
+        return
+    passes = _error_passes[name] = _error_passes.get(name, 0) + 1
+    if passes <= int(spec.split(":", 1)[1]):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (DFPIPE_FAULT {spec}, pass {passes})")

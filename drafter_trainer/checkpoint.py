@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.faults import fault_point
+from common.faults import fault_error, fault_point
 from common.seqset import SeqSet
 
 PREFIX = "step-"
@@ -59,16 +59,22 @@ def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[s
     final = os.path.join(root, f"{PREFIX}{step:08d}")
     tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
+    try:
+        os.makedirs(tmp)
+        fault_error("checkpoint.write")
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(tmp)
+    except BaseException:
+        # a full disk must not fill up further with every retry
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     fault_point("checkpoint.before_rename")
     if os.path.exists(final):  # same step saved twice (e.g. SIGTERM right after a periodic save)
         shutil.rmtree(final)

@@ -60,7 +60,7 @@ from .warmup import (CompileBehind, compiling_in_background, needs_compiling, pr
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED = 0, 3, 1
+EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 
 
@@ -291,6 +291,11 @@ class Trainer:
         self.epoch = 0
         self.skipped_steps = 0
         self.bad_in_row = 0
+        self.checkpoint_failures = 0                # all of this process's failed saves
+        self.checkpoint_failures_in_row = 0
+        self.last_checkpoint_error = ""
+        self.stopped_by_checkpoint_failures = False
+        self.metrics_lines_lost = 0
         self.trained = SeqSet()                     # seqs whose effect is in the weights
         self.resumed_batches = 0
         self.trained_samples: dict[int, list[np.ndarray]] = {}
@@ -318,7 +323,9 @@ class Trainer:
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
                 "batches_trained": len(self.trained), "batches_planned": self.total_batches,
-                "skipped_steps": self.skipped_steps, "tokens": self.tokens,
+                "skipped_steps": self.skipped_steps, "checkpoint_failures": self.checkpoint_failures,
+                "last_checkpoint_error": self.last_checkpoint_error,
+                "metrics_lines_lost": self.metrics_lines_lost, "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / elapsed, 2),
                 "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
                                               if self.acc_per_pos else None),
@@ -352,7 +359,9 @@ class Trainer:
         log.info("resuming from %s: step %d, %d batches held", path, self.step, len(self.trained))
         return self.trained.copy()
 
-    def checkpoint(self, reason: str) -> None:
+    def checkpoint(self, reason: str) -> bool:
+        """Save (rank 0) and commit; False when the save failed. A failed save costs nothing but
+        the save: the target keeps every uncommitted seq, and training goes on to the next try."""
         with self.stages.time("checkpoint"):
             # every rank trained different batches: the saved set is their union
             parts = self.ranks.gather_objects((self.trained.to_wire(),
@@ -365,7 +374,7 @@ class Trainer:
                 for e, ids in by_epoch.items():
                     samples.setdefault(int(e), []).extend(ids)
             if self.ranks.rank != 0:
-                return
+                return True
             samples_np = {e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}
             trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
             state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
@@ -375,11 +384,30 @@ class Trainer:
                     "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
                     "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
                     "epochs": epoch_stats(samples_np)}
-            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
-                                                   self.cfg.train.keep_checkpoints)
+            try:
+                self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
+                                                       self.cfg.train.keep_checkpoints)
+            except OSError as e:
+                return self._checkpoint_failed(reason, e)
+            self.checkpoint_failures_in_row = 0
             self.feed.commit(have, self.step)
             log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
                      {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
+            return True
+
+    def _checkpoint_failed(self, reason: str, error: OSError) -> bool:
+        self.checkpoint_failures += 1
+        self.checkpoint_failures_in_row += 1
+        self.last_checkpoint_error = f"step {self.step}: {error}"
+        limit = self.cfg.train.max_checkpoint_failures
+        log.error("checkpoint at step %d (%s) failed: %s. Nothing is lost: the last good checkpoint is %s and the "
+                  "target keeps every batch since. %d of %d failures in a row.", self.step, reason, error,
+                  self.last_checkpoint or "(none)", self.checkpoint_failures_in_row, limit)
+        if self.checkpoint_failures_in_row >= limit and not self.flags.stop:
+            # training on without checkpoints would put ever more work at risk: stop, all ranks together
+            self.flags.stop, self.flags.reason = True, f"{self.checkpoint_failures_in_row} checkpoints in a row failed"
+            self.stopped_by_checkpoint_failures = True
+        return False
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -438,7 +466,8 @@ class Trainer:
         self.mask_id = self.model.config.mask_token_id
         if self.ranks.rank == 0:
             os.makedirs(self.out_dir, exist_ok=True)
-            self.metrics_file = open(os.path.join(self.out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            # unbuffered: a line the disk refuses is gone at once, not retried by every later flush
+            self.metrics_file = open(os.path.join(self.out_dir, "metrics.jsonl"), "ab", buffering=0)
             if cfg.train.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
@@ -493,8 +522,7 @@ class Trainer:
                    "anchors": out.num_anchors, "step_s": step_s, "wait_s": wait_s, "time": time.time()}
             log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
                      self.last_loss, lr, tau, rec["tokens_per_s"])
-            self.metrics_file.write(json.dumps(rec) + "\n")
-            self.metrics_file.flush()
+            self._write_metrics(rec)
             if self.writer is not None:
                 for k in ("loss", "lr", "tau", "tokens_per_s"):
                     self.writer.add_scalar(f"train/{k}", rec[k], self.step)
@@ -632,6 +660,15 @@ class Trainer:
                 "acceptance_per_position": [round(a, 4) for a in acc],
                 "loss": ce_sum / weight_sum if weight_sum > 0 else float("nan"), "batches": len(batches)}
 
+    def _write_metrics(self, rec: dict[str, Any]) -> None:
+        """One metrics.jsonl line. A full disk costs lines (counted in status), never the run."""
+        try:
+            self.metrics_file.write((json.dumps(rec) + "\n").encode())
+        except OSError as e:
+            self.metrics_lines_lost += 1
+            if self.metrics_lines_lost in (1, 10) or self.metrics_lines_lost % 1000 == 0:
+                log.error("metrics.jsonl: %d line(s) lost so far: %s", self.metrics_lines_lost, e)
+
     def _eval_and_report(self) -> None:
         result = self.evaluate()
         if result is None:
@@ -642,8 +679,7 @@ class Trainer:
         rec = {"step": self.step, "eval_tau": result["tau"], "eval_loss": result["loss"],
                "eval_batches": result["batches"], "eval_acceptance_per_position": result["acceptance_per_position"],
                "time": time.time()}
-        self.metrics_file.write(json.dumps(rec) + "\n")
-        self.metrics_file.flush()
+        self._write_metrics(rec)
         if self.writer is not None:
             self.writer.add_scalar("eval/tau", result["tau"], self.step)
             self.writer.add_scalar("eval/loss", result["loss"], self.step)
@@ -668,7 +704,13 @@ class Trainer:
                      ", ".join(f"{k} {v:.2f}s" for k, v in self.startup.items() if v is not None))
 
     def _finish(self, reason: str) -> int:
-        self.checkpoint(reason)
+        saved = self.checkpoint(reason)
+        if not saved or self.stopped_by_checkpoint_failures:
+            # exit status 4: the deployments do not restart it into the same full disk
+            log.error("trainer stopping (%s) at step %d, %s. It resumes from %s once there is room under %s.",
+                      reason, self.step, "its final checkpoint saved" if saved else "without a final checkpoint",
+                      self.last_checkpoint or "the start", self.out_dir)
+            return EXIT_CHECKPOINT_FAILED
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
             export_drafter(self.model, export_dir)

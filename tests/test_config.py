@@ -33,7 +33,7 @@ def test_overrides_apply_and_are_type_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train.epochs: 1 to 4096"):
         load_config(None, ["train.epochs=10000"])
     assert load_config(None, ["train.epochs=4096"]).train.epochs == 4096
-    for key, value in (("ring.slots", "70000"), ("train.eval_batches", "5000")):
+    for key, value in (("ring.slots", "70000"), ("train.eval_batches", "5000"), ("train.max_checkpoint_failures", "0")):
         with pytest.raises(ConfigError, match=key):
             load_config(None, [f"{key}={value}"])
     with pytest.raises(ConfigError, match="expected section.key=value"):

@@ -146,3 +146,38 @@ def test_target_killed_mid_epoch_trainer_waits_and_resumes_with_nothing_lost(tmp
         for s in services[::-1]:
             s.stop()
     _no_ring_files(cfg)
+
+
+def test_a_full_disk_fails_checkpoints_without_losing_a_sample_and_a_lasting_one_stops_the_trainer(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path)    # 16 batches, a checkpoint every 3 steps
+    cfg = load(config)
+    ep_target = cfg["service"]["target_endpoint"]
+    ckpts = tmp_path / "run" / "checkpoints"
+    services: list[Service] = []
+    try:
+        target = Service("target-server", config, tmp_path)
+        services.append(target)
+        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        # the disk stays full: three periodic saves fail, the trainer stops with status 4
+        # (its final save fails too) and leaves no half-written folder behind
+        full = Service("trainer", config, tmp_path, env={"DFPIPE_FAULT": "checkpoint.write:99"})
+        services.append(full)
+        assert full.wait(300) == 4, full.log()
+        log = full.log(tail=10_000)
+        assert log.count("failed: [Errno 28] No space left on device") == 4, log
+        assert "3 checkpoints in a row failed" in log and "without a final checkpoint" in log, log
+        assert list(ckpts.iterdir()) == []
+        # room again after two more failed saves: training goes on, and the run ends exactly once
+        # with the batches the first trainer trained but never committed delivered again
+        again = Service("trainer", config, tmp_path, env={"DFPIPE_FAULT": "checkpoint.write:2"})
+        services.append(again)
+        assert again.wait(300) == 0, again.log()
+        assert again.log(tail=10_000).count("No space left on device") == 2
+        assert_exactly_once(config)
+        status = ctl(ep_target, "status")
+        assert status["model_loads"] == 1 and status["batches"]["quarantined"] == 0
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
