@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="soak-", dir=args.workdir)
     config, cfg = write_config(workdir, args.samples, args.cache_dir, args.seed)
     soak = Soak(workdir, config, cfg, random.Random(args.seed), Children(workdir))
-    weights, names = zip(*ACTIONS)
+    chosen = [(w, n) for w, n in ACTIONS if args.actions == "all" or n in args.actions.split(",")]
+    weights, names = zip(*chosen) if chosen else ((), ())
     result: dict[str, Any] = {"workdir": workdir, "minutes": args.minutes, "samples": args.samples, "seed": args.seed,
                               "failures": []}
     sampler = threading.Thread(target=soak.sample_forever, daemon=True)
@@ -310,6 +311,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del target_kills[0]
                 action = TARGET_KILL
             else:
+                if not names:   # --actions none: steady training, the baseline of the leak trends
+                    continue
                 action = soak.rng.choices(names, weights)[0]
             print(f"[{time.monotonic() - t0:7.1f}s] {action}", flush=True)
             soak.act(action)
@@ -329,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         info.pop("have", None)
         result["checkpoint"] = info
         result["failures"] += audit_epochs(info)
+        soak.stop_sampling.set()   # a process shutting down is no trend
         soak.children.procs[soak.target_name].send_signal(signal.SIGTERM)
         result["final_target_exit"] = soak.expect_exit(soak.target_name, 60)
         if result["final_target_exit"] != 0:
@@ -346,6 +350,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["trainers_started"] = soak.trainers_started
         result["targets_started"] = soak.targets_started
         result["target_lifetimes"] = lifetime_trends(soak.samples, args.settle_s)
+        # the raw series, for a closer look: [seconds since start, target, rss MB, threads, fds, ring files]
+        result["series"] = [[round(r["t"] - soak.samples[0]["t"], 1), r["target"], round(r["rss_mb"], 2), r["threads"],
+                             r["fds"], r["ring_files"]] for r in soak.samples] if soak.samples else []
     for life in result["target_lifetimes"]:
         # a leak of one page a batch shows as a steady climb; allocator noise does not
         if life["seconds"] >= 600 and life["rss_mb_per_hour"] > args.max_rss_mb_per_hour:
@@ -363,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dfpipe-soak"))
     p.add_argument("--cache-dir", default=os.path.join(REPO, ".cache", "dfpipe-tests"), help="the built-in target")
     p.add_argument("--target-lifetimes", type=int, default=2, help="kill -9 the target this many times minus one, evenly")
+    p.add_argument("--actions", default="all",
+                   help=f"the random actions: all, none (steady training), or some of {','.join(n for _, n in ACTIONS)}")
     p.add_argument("--every-action-first", action="store_true", help="take each action once, in order, first")
     p.add_argument("--settle-s", type=float, default=SETTLE_S, help="a target's first seconds left out of the trends")
     p.add_argument("--max-rss-mb-per-hour", type=float, default=20.0,

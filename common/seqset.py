@@ -85,6 +85,45 @@ class SeqSet:
         for a, b in other.ranges():
             self.add_range(a, b)
 
+    def remove_range(self, a: int, b: int) -> None:
+        """Remove every member in [a, b); the runs it cuts keep their outer parts."""
+        _check_seq(a, "range start")
+        if type(b) is not int or not a <= b <= SEQ_LIMIT:
+            raise ValueError(f"range stop: expected an int in [{a}, 2**63], got {b!r:.40}")
+        lo = bisect.bisect_right(self._stops, a)   # first range ending after a
+        hi = bisect.bisect_left(self._starts, b)   # ranges [lo, hi) start before b
+        if a == b or lo >= hi:
+            return
+        starts, stops = [], []
+        if self._starts[lo] < a:
+            starts.append(self._starts[lo])
+            stops.append(a)
+        if self._stops[hi - 1] > b:
+            starts.append(b)
+            stops.append(self._stops[hi - 1])
+        self._starts[lo:hi] = starts
+        self._stops[lo:hi] = stops
+
+    def discard(self, seq: int) -> None:
+        _check_seq(seq, "seq")
+        self.remove_range(seq, seq + 1)
+
+    def difference_update(self, other: "SeqSet") -> None:
+        """In-place difference: O(runs), whatever the number of members."""
+        for a, b in other.ranges():
+            self.remove_range(a, b)
+
+    def pop_first(self) -> int:
+        """Remove and return the smallest member (KeyError when empty, as set.pop)."""
+        if not self._starts:
+            raise KeyError("pop_first from an empty SeqSet")
+        seq = self._starts[0]
+        if self._stops[0] == seq + 1:
+            del self._starts[0], self._stops[0]
+        else:
+            self._starts[0] = seq + 1
+        return seq
+
     # ---- queries --------------------------------------------------------------------------------
     def __contains__(self, seq: object) -> bool:
         if type(seq) is not int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.seqset import SeqSet
@@ -61,21 +61,33 @@ class Work:
     heldout: bool = False
 
 
+def _as_seqset(seqs: SeqSet | Iterable[int]) -> SeqSet:
+    if isinstance(seqs, SeqSet):
+        return seqs.copy()
+    if isinstance(seqs, range) and seqs.step == 1:
+        return SeqSet.from_ranges([(seqs.start, seqs.stop)])
+    return SeqSet(seqs)
+
+
 class Dispatcher:
     """Hands work to worker threads: held-out batches first, then seqs in ascending order; thread-safe."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._pending: deque[int] = deque()
+        # ranges, not one int per seq: a plan of millions of batches costs a few runs to hold and
+        # to rebuild when a trainer says HELLO
+        self._pending = SeqSet()
         self._heldout: deque[int] = deque()
         self.computing: set[int] = set()
         self.computing_heldout: set[int] = set()
+        self.taken = SeqSet()        # every training seq ever handed out (ranges: stays small)
+        self.recomputed = 0          # seqs handed out again: their batch was trained but not checkpointed
         self.paused = False
         self.stopping = False
 
-    def reset(self, seqs: list[int]) -> None:
+    def reset(self, seqs: SeqSet | Iterable[int]) -> None:
         with self._cond:
-            self._pending = deque(sorted(seqs))
+            self._pending = _as_seqset(seqs)
             self._cond.notify_all()
 
     def reset_heldout(self, indices: list[int]) -> None:
@@ -84,7 +96,7 @@ class Dispatcher:
             self._heldout = deque(sorted(indices))
             self._cond.notify_all()
 
-    def replan(self, todo: Callable[[set[int]], list[int]]) -> None:
+    def replan(self, todo: Callable[[set[int]], SeqSet | Iterable[int]]) -> None:
         """Replace the pending seqs with todo(seqs being computed), computed under the lock.
 
         No worker can take or finish a seq meanwhile, and a worker publishes a batch (its slot
@@ -94,7 +106,7 @@ class Dispatcher:
         ring snapshot nor `computing` and was queued a second time.
         """
         with self._cond:
-            self._pending = deque(sorted(todo(set(self.computing))))
+            self._pending = _as_seqset(todo(set(self.computing)))
             self._cond.notify_all()
 
     def replan_heldout(self, todo: Callable[[set[int]], list[int]]) -> None:
@@ -106,6 +118,10 @@ class Dispatcher:
     def pending(self) -> list[int]:
         with self._cond:
             return list(self._pending)
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
 
     def pending_heldout(self) -> list[int]:
         with self._cond:
@@ -121,8 +137,12 @@ class Dispatcher:
                 index = self._heldout.popleft()
                 self.computing_heldout.add(index)
                 return Work(index, heldout=True)
-            seq = self._pending.popleft()
+            seq = self._pending.pop_first()
             self.computing.add(seq)
+            if seq in self.taken:
+                self.recomputed += 1
+            else:
+                self.taken.add(seq)
             return Work(seq)
 
     def done(self, work: Work) -> None:
@@ -192,11 +212,10 @@ class EpochPlan:
 
 
 def outstanding(plan: EpochPlan, have: SeqSet, quarantined: SeqSet, in_ring: set[int],
-                computing: set[int]) -> list[int]:
-    """Seqs that must still be computed for a session holding `have`."""
-    todo = []
-    for a, b in have.difference_ranges(0, plan.total):
-        for s in range(a, b):
-            if s not in quarantined and s not in in_ring and s not in computing:
-                todo.append(s)
+                computing: set[int]) -> SeqSet:
+    """Seqs that must still be computed for a session holding `have`: work in runs, not seqs."""
+    todo = SeqSet.from_ranges(have.difference_ranges(0, plan.total))
+    todo.difference_update(quarantined)
+    for seq in in_ring | computing:
+        todo.discard(seq)
     return todo

@@ -59,12 +59,13 @@ class TargetServer:
         self.next_consumer_epoch = 1
         self.quarantined = SeqSet()
         self.quarantine_log: list[dict[str, Any]] = []
-        self.computed_ever: set[int] = set()
-        self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0, "recomputed": 0,
+        self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
                          "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
-        self.announced_pubs: set[tuple[int, int, int]] = set()
+        # (worker, slot) -> (producer epoch, pub_seq) last announced from it: a publication lives in
+        # one slot until it is acked or discarded, so this tells a redelivery apart in bounded memory
+        self.announced_from_slot: dict[tuple[int, int], tuple[int, int]] = {}
         self._stop = False
         self._lock = threading.Lock()          # counters/quarantine touched by worker threads
         self._load_lock = threading.Lock()
@@ -148,7 +149,7 @@ class TargetServer:
         start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
         with self.stages.time("data_prepare"):
             self._load_data()
-        self.dispatcher.reset(list(self.plan.seqs(0)))  # prefetch epoch 0 before any trainer connects
+        self.dispatcher.reset(self.plan.seqs(0))  # prefetch epoch 0 before any trainer connects
         for i, device in enumerate(t.devices):
             w = TargetWorker(i, device, self.cfg, self._load_runner, self.dataset, self.packer, self.dispatcher,
                              self._notify, self._on_quarantine, self.stages,
@@ -182,11 +183,11 @@ class TargetServer:
             "ring": rings,
             "consumer_epoch": s.consumer_epoch if s else self.next_consumer_epoch - 1,
             "batches": {"produced": sum(w.batches for w in self.workers), "acked": counters["acked"],
-                        "redelivered": counters["redelivered"], "recomputed": counters["recomputed"],
+                        "redelivered": counters["redelivered"], "recomputed": self.dispatcher.recomputed,
                         "quarantined": quarantined, "discarded": counters["discarded"]},
             "tokens": sum(w.tokens for w in self.workers),
             "epoch_sizes": self.plan.sizes,
-            "pending": len(self.dispatcher.pending()),
+            "pending": self.dispatcher.pending_count(),
             "computing": len(self.dispatcher.computing),
             "heldout": {"batches": self.heldout_count, "produced": sum(w.heldout_batches for w in self.workers),
                         "announced": counters["heldout_announced"], "acked": counters["heldout_acked"],
@@ -242,7 +243,7 @@ class TargetServer:
         self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
         log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
-                 hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], len(self.dispatcher.pending()))
+                 hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], self.dispatcher.pending_count())
         return s
 
     def _replan(self) -> None:
@@ -368,10 +369,10 @@ class TargetServer:
             s.assigned[key] = a
             peer.in_hand.add(key)
             self.counters["announced"] += 1
-            pub = (w.worker, w.ring.producer_epoch, info.pub_seq)
-            if pub in self.announced_pubs:
+            pub = (w.ring.producer_epoch, info.pub_seq)
+            if self.announced_from_slot.get(key) == pub:
                 self.counters["redelivered"] += 1
-            self.announced_pubs.add(pub)
+            self.announced_from_slot[key] = pub
 
     def _announce_heldout(self, s: Session, w: TargetWorker, info: Any) -> None:
         """A READY held-out slot: to the rank 0 that asked (outside its credit), kept, or discarded."""

@@ -67,3 +67,21 @@ def test_replan_heldout_sees_the_indices_being_computed() -> None:
     results, _ = _blocked_while_planning(d, d.replan_heldout, lambda: d.take(5))
     assert results == [[0], Work(7, heldout=True)]
     assert d.pending_heldout() == [8]
+
+
+def test_a_seq_handed_out_again_counts_as_recomputed_and_held_out_work_never_does() -> None:
+    d = Dispatcher()
+    d.reset([0, 1, 2])
+    d.reset_heldout([0])
+    taken = [d.take(0.1) for _ in range(4)]
+    assert taken == [Work(0, heldout=True), Work(0), Work(1), Work(2)]
+    for w in taken:
+        d.done(w)
+    assert d.recomputed == 0
+    # a trainer died with seqs 1 and 2 trained but not checkpointed: its successor needs them again
+    d.reset([1, 2, 3])
+    d.reset_heldout([0])
+    again = [d.take(0.1) for _ in range(4)]
+    assert again == [Work(0, heldout=True), Work(1), Work(2), Work(3)]
+    assert d.recomputed == 2
+    assert list(d.taken.ranges()) == [(0, 4)]

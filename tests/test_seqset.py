@@ -12,7 +12,10 @@ from common.seqset import SeqSet
 seqs = st.integers(0, 60)
 ranges = st.tuples(seqs, st.integers(0, 12)).map(lambda t: (t[0], t[0] + t[1]))
 ops = st.lists(st.one_of(st.tuples(st.just("add"), seqs), st.tuples(st.just("range"), ranges),
-                         st.tuples(st.just("update"), st.lists(ranges, max_size=4))), max_size=30)
+                         st.tuples(st.just("update"), st.lists(ranges, max_size=4)),
+                         st.tuples(st.just("discard"), seqs), st.tuples(st.just("remove"), ranges),
+                         st.tuples(st.just("difference"), st.lists(ranges, max_size=4)),
+                         st.tuples(st.just("pop"), st.none())), max_size=30)
 
 
 def _apply(ops_list: list) -> tuple[SeqSet, set[int]]:
@@ -24,10 +27,26 @@ def _apply(ops_list: list) -> tuple[SeqSet, set[int]]:
         elif op == "range":
             s.add_range(*arg)
             ref.update(range(*arg))
-        else:
+        elif op == "update":
             s.update(SeqSet.from_ranges(arg))
             for a, b in arg:
                 ref.update(range(a, b))
+        elif op == "discard":
+            s.discard(arg)
+            ref.discard(arg)
+        elif op == "remove":
+            s.remove_range(*arg)
+            ref.difference_update(range(*arg))
+        elif op == "difference":
+            s.difference_update(SeqSet.from_ranges(arg))
+            for a, b in arg:
+                ref.difference_update(range(a, b))
+        elif ref:
+            assert s.pop_first() == min(ref)
+            ref.remove(min(ref))
+        else:
+            with pytest.raises(KeyError):
+                s.pop_first()
     return s, ref
 
 
