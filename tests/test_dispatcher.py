@@ -71,17 +71,13 @@ def test_replan_heldout_sees_the_indices_being_computed() -> None:
 
 def test_a_seq_handed_out_again_counts_as_recomputed_and_held_out_work_never_does() -> None:
     d = Dispatcher()
-    d.reset([0, 1, 2])
-    d.reset_heldout([0])
-    taken = [d.take(0.1) for _ in range(4)]
-    assert taken == [Work(0, heldout=True), Work(0), Work(1), Work(2)]
-    for w in taken:
-        d.done(w)
-    assert d.recomputed == 0
-    # a trainer died with seqs 1 and 2 trained but not checkpointed: its successor needs them again
-    d.reset([1, 2, 3])
-    d.reset_heldout([0])
-    again = [d.take(0.1) for _ in range(4)]
-    assert again == [Work(0, heldout=True), Work(1), Work(2), Work(3)]
-    assert d.recomputed == 2
+    # then a trainer died with seqs 1 and 2 trained but not checkpointed: its successor needs them again
+    for seqs, recomputed in (([0, 1, 2], 0), ([1, 2, 3], 2)):
+        d.reset(seqs)
+        d.reset_heldout([0])
+        taken = [d.take(0.1) for _ in range(4)]
+        assert taken == [Work(0, heldout=True), *(Work(seq) for seq in seqs)]
+        for w in taken:
+            d.done(w)
+        assert d.recomputed == recomputed
     assert list(d.taken.ranges()) == [(0, 4)]

@@ -18,29 +18,28 @@ ops = st.lists(st.one_of(st.tuples(st.just("add"), seqs), st.tuples(st.just("ran
                          st.tuples(st.just("pop"), st.none())), max_size=30)
 
 
+def _ranges(rs: list) -> list[range]:
+    return [range(*r) for r in rs]
+
+
+# op -> (what it does to a SeqSet, the same on a Python set)
+APPLY = {
+    "add": (SeqSet.add, set.add),
+    "range": (lambda s, r: s.add_range(*r), lambda ref, r: ref.update(range(*r))),
+    "update": (lambda s, rs: s.update(SeqSet.from_ranges(rs)), lambda ref, rs: ref.update(*_ranges(rs))),
+    "discard": (SeqSet.discard, set.discard),
+    "remove": (lambda s, r: s.remove_range(*r), lambda ref, r: ref.difference_update(range(*r))),
+    "difference": (lambda s, rs: s.difference_update(SeqSet.from_ranges(rs)),
+                   lambda ref, rs: ref.difference_update(*_ranges(rs))),
+}
+
+
 def _apply(ops_list: list) -> tuple[SeqSet, set[int]]:
     s, ref = SeqSet(), set()
     for op, arg in ops_list:
-        if op == "add":
-            s.add(arg)
-            ref.add(arg)
-        elif op == "range":
-            s.add_range(*arg)
-            ref.update(range(*arg))
-        elif op == "update":
-            s.update(SeqSet.from_ranges(arg))
-            for a, b in arg:
-                ref.update(range(a, b))
-        elif op == "discard":
-            s.discard(arg)
-            ref.discard(arg)
-        elif op == "remove":
-            s.remove_range(*arg)
-            ref.difference_update(range(*arg))
-        elif op == "difference":
-            s.difference_update(SeqSet.from_ranges(arg))
-            for a, b in arg:
-                ref.difference_update(range(a, b))
+        if op in APPLY:
+            APPLY[op][0](s, arg)
+            APPLY[op][1](ref, arg)
         elif ref:
             assert s.pop_first() == min(ref)
             ref.remove(min(ref))
