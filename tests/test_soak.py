@@ -36,6 +36,7 @@ def test_lifetime_trends_see_a_steady_climb_and_not_the_settling_minute() -> Non
     (life,) = lifetime_trends(rows, settle_s=60)
     assert life["target"] == "target-1"
     assert life["rss_mb_per_hour"] == pytest.approx(100.0, rel=1e-6)   # 1/36 MB a second
+    assert life["rss_mb_per_hour_late"] == pytest.approx(100.0, rel=1e-6)   # a leak keeps its pace
     assert life["fds"] == [20, 22] and life["threads"] == [9, 9]
     assert life["rss_mb_first"] == pytest.approx(500.0 + 60 / 36.0, abs=0.05)   # the first minute left out
 
@@ -57,3 +58,12 @@ def test_a_short_soak_takes_every_action_and_loses_nothing(tmp_path: Path) -> No
     # after all that, the finished epochs hold every sample once
     assert all(info["epochs"][str(e)] == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0}
                for e in range(info["epoch"]))
+
+
+def test_an_allocator_that_settles_is_told_apart_from_a_leak() -> None:
+    # +10 MB over the first four minutes, then flat: the whole life has a slope, its second half none
+    rows = [{"target": "target-1", "t": float(s), "rss_mb": 400.0 + min(s, 240) / 24.0, "threads": 4, "fds": 19,
+             "ring_files": 2} for s in range(0, 1200, 2)]
+    (life,) = lifetime_trends(rows, settle_s=0)
+    assert life["rss_mb_per_hour"] > 10
+    assert life["rss_mb_per_hour_late"] == pytest.approx(0.0, abs=1e-9)
