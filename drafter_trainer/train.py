@@ -46,7 +46,7 @@ from common.metrics import StageTimes, start_metrics_server
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import latest_checkpoint, epoch_stats, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
+from .checkpoint import epoch_stats, latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import export_drafter

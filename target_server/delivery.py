@@ -81,7 +81,7 @@ class Dispatcher:
         self.computing: set[int] = set()
         self.computing_heldout: set[int] = set()
         self.taken = SeqSet()        # every training seq ever handed out (ranges: stays small)
-        self.recomputed = 0          # seqs handed out again: their batch was trained but not checkpointed
+        self.recomputed = 0          # seqs handed out again: mostly batches a dead trainer trained, never checkpointed
         self.paused = False
         self.stopping = False
 
