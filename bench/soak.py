@@ -62,6 +62,7 @@ class Soak:
     actions: dict[str, int] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     stop_sampling: threading.Event = field(default_factory=threading.Event)
+    ending: set[str] = field(default_factory=set)   # processes this soak itself stops or kills
 
     # ---- the two services --------------------------------------------------------------------
     @property
@@ -112,7 +113,7 @@ class Soak:
         while time.monotonic() < deadline:
             for name, proc in self.children.procs.items():
                 if name in (self.target_name, self.trainer_name) and proc.poll() is not None \
-                        and not getattr(proc, "expected_exit", False):
+                        and name not in self.ending:
                     raise SoakFailure(f"{name} exited with {proc.returncode} while waiting for {what}:\n"
                                       f"{self.children.tail(name, 4000)}")
             got = fn()
@@ -124,19 +125,22 @@ class Soak:
 
     def expect_exit(self, name: str, timeout_s: float) -> int:
         proc = self.children.procs[name]
-        proc.expected_exit = True     # type: ignore[attr-defined]
+        self.ending.add(name)
         try:
             return proc.wait(timeout_s)
         except Exception:
             raise SoakFailure(f"{name} did not exit within {timeout_s}s:\n{self.children.tail(name, 4000)}") from None
+
+    def kill(self, name: str) -> None:
+        self.ending.add(name)
+        self.children.kill(name)
 
     # ---- chaos ---------------------------------------------------------------------------------
     def act(self, action: str) -> None:
         self.actions[action] = self.actions.get(action, 0) + 1
         if action == "trainer_kill9":
             time.sleep(self.rng.uniform(0.0, 0.5))   # land anywhere in a step, a read or a checkpoint
-            self.children.procs[self.trainer_name].expected_exit = True   # type: ignore[attr-defined]
-            self.children.kill(self.trainer_name)
+            self.kill(self.trainer_name)
             self.start_trainer()
         elif action == "trainer_sigterm_new_lr":
             name = self.trainer_name
@@ -146,8 +150,7 @@ class Soak:
                 raise SoakFailure(f"{name}: SIGTERM gave exit status {rc}, not 0:\n{self.children.tail(name, 4000)}")
             self.start_trainer([f"train.lr={self.rng.choice([3e-4, 6e-4, 1e-3])}"])
         elif action == "trainer_dies_in_checkpoint":
-            self.children.procs[self.trainer_name].expected_exit = True   # type: ignore[attr-defined]
-            self.children.kill(self.trainer_name)
+            self.kill(self.trainer_name)
             self.start_trainer(extra_env={"DFPIPE_FAULT": "checkpoint.before_rename"})
             rc = self.expect_exit(self.trainer_name, 300)
             if rc != -signal.SIGKILL:
@@ -163,8 +166,7 @@ class Soak:
                 os.kill(self.trainer_pid(), signal.SIGCONT)
         elif action == "target_kill9":
             old = self.target_name
-            self.children.procs[old].expected_exit = True   # type: ignore[attr-defined]
-            self.children.kill(old)
+            self.kill(old)
             self.wait(lambda: (s := try_status(self.ep_trainer)) and s.get("state") == "waiting_for_target", 60,
                       "the trainer to wait for the target")
             self.start_target()
