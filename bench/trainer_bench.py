@@ -106,27 +106,34 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> tuple[int, str]:
         return _rss_bytes("VmHWM") - base, "VmHWM after clear_refs (RSS, approximate)"
 
 
-def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str) -> dict[str, float]:
-    """FLOPs of one training step by component (see the module docstring)."""
+def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
+               blocks_per_chunk: int = 0) -> dict[str, float]:
+    """FLOPs of one training step by component (see the module docstring), the attention counted
+    chunk by chunk as the step runs it (each chunk's queries over its context slice and blocks)."""
+    from drafter_trainer.loss import auto_blocks_per_chunk
+
     t, k, h = batch.num_tokens, cfg.num_context_layers, cfg.hidden_size
     r, b = blocks.num_blocks * blocks.block_size, blocks.block_size
     q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     r_loss = int((blocks.weights > 0).sum())
-    layout = AttentionLayout.from_blocks(blocks)
     visible = computed = 0
-    for i in range(cfg.num_hidden_layers):
-        dense = layout.dense_mask(cfg.layer_window(i))
-        visible += int(dense.sum())
-        if attn_impl == "split":
-            computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.segments)
-        elif attn_impl == "flex":
-            tile = 128                  # flex computes every 128x128 tile holding a visible key
-            rq, rk = -(-r // tile) * tile, -(-dense.shape[1] // tile) * tile
-            padded = torch.zeros(rq, rk, dtype=torch.bool, device=dense.device)
-            padded[: dense.shape[0], : dense.shape[1]] = dense
-            computed += int(padded.view(rq // tile, tile, rk // tile, tile).any(3).any(1).sum()) * tile * tile
-        else:
-            computed += r * (t + r)
+    for part, _first, _end in blocks.chunks(blocks_per_chunk or auto_blocks_per_chunk(b)):
+        layout = AttentionLayout.from_blocks(part)
+        rows = part.num_blocks * b
+        for i in range(cfg.num_hidden_layers):
+            dense = layout.dense_mask(cfg.layer_window(i))
+            visible += int(dense.sum())
+            if attn_impl == "split":
+                computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.segments)
+            elif attn_impl == "flex":
+                tile = 128                  # flex computes every 128x128 tile holding a visible key
+                rq, rk = -(-rows // tile) * tile, -(-dense.shape[1] // tile) * tile
+                padded = torch.zeros(rq, rk, dtype=torch.bool, device=dense.device)
+                padded[: dense.shape[0], : dense.shape[1]] = dense
+                computed += int(padded.view(rq // tile, tile, rk // tile, tile).any(3).any(1).sum()) * tile * tile
+            else:
+                computed += rows * dense.shape[1]
+            del dense
     n = cfg.num_hidden_layers
     out = {
         "fc": 2 * 2.0 * t * k * h * h,

@@ -64,7 +64,8 @@ class DrafterConfig:
     num_layers: int = 5
     block_size: int = 16
     mask_token_id: int = -1             # -1: from the tokenizer's mask token
-    max_anchors: int = 512
+    max_anchors: int = 512              # anchors per document (the DFlash recipe's cap), not per batch
+    blocks_per_chunk: int = 0           # blocks per forward+backward chunk of a step; 0: auto (16,384 block tokens)
     gamma: float = 0.0                  # 0: 7 for B=16, 5 for B=10, 4 for B=8
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
@@ -219,7 +220,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.target.dtype in ("auto", "bf16", "fp32", "fp16"), "target.dtype: auto | bf16 | fp16 | fp32")
     need(cfg.drafter.block_size >= 2, "drafter.block_size: at least 2")
     need(cfg.drafter.num_layers >= 1, "drafter.num_layers: at least 1")
-    need(cfg.drafter.max_anchors >= 1, "drafter.max_anchors: at least 1")
+    need(cfg.drafter.max_anchors >= 1, "drafter.max_anchors: at least 1 (anchors per document)")
+    need(cfg.drafter.blocks_per_chunk >= 0, "drafter.blocks_per_chunk: 0 (auto) or a positive number of blocks")
     for t in cfg.drafter.layer_types:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
     need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex"), "drafter.attn: auto | split | sdpa | flex")

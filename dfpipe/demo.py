@@ -158,6 +158,8 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, keep
     print(f"samples trained      {info.get('samples_trained')} of {info.get('epoch_samples')} "
           f"(duplicated: {info.get('samples_duplicated')})")
     print(f"trainer              step {ts.get('step')}, loss {ts.get('loss')}, {ts.get('tokens_per_s')} tok/s")
+    print(f"anchors per batch    {ts.get('anchors_per_batch')} (up to drafter.max_anchors = "
+          f"{cfg.drafter.max_anchors} per document)")
     print(f"implied acceptance   {ts.get('implied_acceptance_length')} tokens per block "
           f"(random-weight target: a pipeline check, not a quality figure)")
     ev = ts.get("eval")

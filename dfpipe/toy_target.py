@@ -488,10 +488,12 @@ def train_toy_drafter(target_dir: str, samples: list[toy_corpus.Sample], steps: 
     model) runs after every step (evaluation, export, logging). Returns the drafter (train mode off).
     """
     from common.batch import PackedBatch, document_positions
-    from common.config import DrafterConfig, default_gamma
+    from common.config import DrafterConfig, TrainConfig, default_gamma
     from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors
-    from drafter_trainer.loss import dflash_loss, implied_acceptance_length
+    from drafter_trainer.loss import implied_acceptance_length
     from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+    from drafter_trainer.optim import trainer_adamw
+    from drafter_trainer.step import Ranks, StepSettings, train_step
     from target_server.target import TargetRunner
 
     recipe = recipe or DrafterRecipe()
@@ -522,7 +524,10 @@ def train_toy_drafter(target_dir: str, samples: list[toy_corpus.Sample], steps: 
     model = DFlashDraftModel(config).to(device)
     model.load_target_head(target_dir, dtype=torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.95))
+    optimizer = trainer_adamw(params, TrainConfig(lr=recipe.lr, weight_decay=recipe.weight_decay, betas=[0.9, 0.95]),
+                              device, build_in_background=False)
+    settings = StepSettings(loss_chunk=recipe.loss_chunk, grad_clip=recipe.grad_clip)
+    ranks = Ranks(str(device))
     gamma = default_gamma(recipe.block_size)
     model.train()
     for step in range(steps):
@@ -533,14 +538,8 @@ def train_toy_drafter(target_dir: str, samples: list[toy_corpus.Sample], steps: 
         gen = torch.Generator().manual_seed(anchor_seed(seed, epoch, batch.seq))
         anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), recipe.max_anchors, gen)
         blocks = build_blocks(batch, anchors.to(device), recipe.block_size, config.mask_token_id, gamma)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, step / steps, recipe)
-        out = dflash_loss(model, batch, blocks, recipe.loss_chunk)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
-        optimizer.step()
-        if on_step is not None:
+        out = train_step(model, optimizer, batch, blocks, lr_at(step, step / steps, recipe), settings, ranks).out
+        if on_step is not None and out is not None:
             info = DrafterStep(step=step + 1, epoch=epoch, loss=float(out.loss.detach()),
                                implied_tau=implied_acceptance_length(out.accuracy_per_pos),
                                seconds=time.perf_counter() - t)

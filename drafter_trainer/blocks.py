@@ -58,24 +58,37 @@ def sample_anchors(loss_mask: torch.Tensor, doc_lens: torch.Tensor, max_anchors:
                    generator: torch.Generator) -> torch.Tensor:
     """Anchor positions: p with loss_mask[p] and loss_mask[p+1] set and p+1 in p's document.
 
-    Chooses min(max_anchors, #candidates) of them uniformly without replacement and returns them
-    sorted ascending (int64, on loss_mask's device). The random draw happens on the generator's
-    device; a CPU generator seeded with `anchor_seed` gives the same anchors on CPU and GPU.
+    `max_anchors` caps anchors per *document*, as the DFlash recipe does: every document gets
+    min(max_anchors, its candidates), chosen uniformly without replacement. A per-packed-batch cap
+    would supervise a 30-document batch like one document and throw away most of the target's
+    hidden states. Returns the anchors sorted ascending (int64, on loss_mask's device). The draw
+    happens on the generator's device; a CPU generator seeded with `anchor_seed` gives the same
+    anchors on CPU and GPU.
     """
     if max_anchors < 0:
         raise BlockError(f"max_anchors must be >= 0, got {max_anchors}")
     mask = loss_mask.to(torch.bool)
     t = mask.numel()
-    if int(doc_lens.to(torch.int64).sum()) != t:
-        raise BlockError(f"doc_lens sum to {int(doc_lens.sum())}, loss_mask has {t} tokens")
+    lens = doc_lens.to(torch.int64).to(mask.device)
+    if int(lens.sum()) != t:
+        raise BlockError(f"doc_lens sum to {int(lens.sum())}, loss_mask has {t} tokens")
     last_of_doc = torch.zeros(t, dtype=torch.bool, device=mask.device)
-    last_of_doc[torch.cumsum(doc_lens.to(torch.int64).to(mask.device), 0) - 1] = True
+    last_of_doc[torch.cumsum(lens, 0) - 1] = True
     ok = mask[:-1] & mask[1:] & ~last_of_doc[:-1]
     candidates = ok.nonzero().squeeze(1)
-    if candidates.numel() <= max_anchors:
+    doc = document_ids(lens)[candidates]                     # ascending, like the candidates
+    per_doc = torch.bincount(doc, minlength=lens.numel())
+    if per_doc.numel() == 0 or int(per_doc.max()) <= max_anchors:
         return candidates
-    pick = torch.randperm(candidates.numel(), generator=generator, device=generator.device)[:max_anchors]
-    return candidates[pick.to(candidates.device)].sort().values
+    # A random key per candidate; the max_anchors smallest keys of a document are a uniform
+    # sample of it without replacement. Sort by key, then stably by document: each document's
+    # candidates in key order, so the rank inside the document says which to keep.
+    keys = torch.rand(candidates.numel(), generator=generator, device=generator.device).to(candidates.device)
+    order = torch.argsort(keys)
+    order = order[torch.argsort(doc[order], stable=True)]
+    first_of_doc = torch.cumsum(per_doc, 0) - per_doc
+    rank = torch.arange(order.numel(), device=order.device) - first_of_doc[doc[order]]
+    return candidates[order[rank < max_anchors]].sort().values
 
 
 @dataclass
@@ -114,6 +127,40 @@ class BlockBatch:
     @property
     def num_context(self) -> int:
         return int(self.context_doc.shape[0])
+
+    def chunks(self, blocks_per_chunk: int) -> list[tuple["BlockBatch", int, int]]:
+        """The blocks in runs of at most `blocks_per_chunk`, each with the context it can see.
+
+        Returns (chunk, first, end): `chunk` holds blocks [i, i + blocks_per_chunk) and only the
+        context tokens [first, end) of the batch: from the start of its first block's document to
+        its last anchor (context is visible strictly before an anchor, in the anchor's document;
+        anchors are sorted, so the run's documents all start inside that range). Anchors are
+        re-based to the slice. A chunk of padding blocks gets an empty context.
+
+        One host read of the anchors per batch (the chunk bounds are host integers); none when
+        the batch is a single chunk.
+        """
+        n = self.num_blocks
+        if blocks_per_chunk < 1:
+            raise BlockError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        if n <= blocks_per_chunk:
+            return [(self, 0, self.num_context)]
+        doc_start = torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
+        anchors, docs, starts = torch.stack([self.anchors, self.anchor_doc, doc_start]).tolist()
+        out = []
+        for i in range(0, n, blocks_per_chunk):
+            rows = slice(i, min(n, i + blocks_per_chunk))
+            real = [j for j in range(rows.start, rows.stop) if docs[j] >= 0]
+            first = starts[real[0]] if real else 0
+            end = max(anchors[j] for j in real) if real else 0
+            valid = self.valid[rows]
+            out.append((BlockBatch(
+                block_input_ids=self.block_input_ids[rows], block_positions=self.block_positions[rows],
+                labels=self.labels[rows], weights=self.weights[rows],
+                anchors=torch.where(valid, self.anchors[rows] - first, 0), anchor_doc=self.anchor_doc[rows],
+                valid=valid, context_doc=self.context_doc[first:end],
+                context_positions=self.context_positions[first:end]), first, end))
+        return out
 
 
 def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,

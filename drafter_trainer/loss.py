@@ -29,7 +29,7 @@ import torch
 
 from common.batch import PackedBatch
 from drafter_trainer.blocks import BlockBatch
-from drafter_trainer.model import DFlashDraftModel
+from drafter_trainer.model import ContextError, DFlashDraftModel
 from drafter_trainer.target_head import TargetHeadError
 
 
@@ -159,41 +159,100 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_ce.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
-def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
-                weight_norm: torch.Tensor | None = None, *, layer_ids: list[int] | None = None) -> LossOutput:
-    """Forward the drafter over the blocks and compute the chunked, decay-weighted CE.
+def auto_blocks_per_chunk(block_size: int) -> int:
+    """drafter.blocks_per_chunk 0: blocks of AUTO_CHUNK_ROWS block tokens in all (1024 blocks of
+    16). Large enough that every GEMM of a chunk is a full-size one, small enough that a chunk's
+    activations at the 27B width stay around a dozen GB (docs/benchmarks.md, P5d)."""
+    return max(1, AUTO_CHUNK_ROWS // block_size)
 
+
+AUTO_CHUNK_ROWS = 16384
+
+
+def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
+                weight_norm: torch.Tensor | None = None, *, layer_ids: list[int] | None = None,
+                blocks_per_chunk: int = 0, backward: bool = False) -> LossOutput:
+    """The drafter over the blocks and the chunked, decay-weighted CE, `blocks_per_chunk` blocks
+    at a time (0: `auto_blocks_per_chunk`).
+
+    The context side (fc, hidden_norm, each layer's context keys and values) is computed once per
+    batch; each chunk of blocks attends to the slice of it that its blocks can see
+    (`BlockBatch.chunks`). backward=False returns a differentiable loss (every chunk's graph is
+    kept: the reference, and held-out eval under no_grad where no graph is kept at all).
+    backward=True runs the backward pass chunk by chunk, so only one chunk's activations exist at
+    a time: each chunk's gradient reaches the drafter's weights and a detached fp32 copy of the
+    context keys/values, whose summed gradient then flows through the context side once. The same
+    gradients as one backward over all blocks (tests), with memory that grows with the chunk,
+    not with the number of anchors. The returned loss is then detached.
+
+    chunk: rows per lm_head chunk (see `_ChunkedLinearCrossEntropy`).
     weight_norm: the denominator to use instead of this batch's weight_sum, so that every rank's
     tokens weigh the same as in one big batch: all_reduce(weight_sum) when the ranks' gradients
-    are summed, that divided by world_size when they are averaged (DDP).
-    layer_ids: the capture's layer ids (slot metadata); when given, the model refuses planes from
-    other layers or in another order (falls back to `batch.layer_ids` if the batch carries it).
+    are summed. layer_ids: the capture's layer ids (slot metadata); when given, the model refuses
+    planes from other layers or in another order (falls back to `batch.layer_ids`).
     Raises ContextError for a batch that must be skipped (wrong layers, zero or non-finite
     states, token ids outside the vocabulary).
     """
     if chunk < 1:
         raise ValueError(f"loss chunk must be >= 1 row, got {chunk}")
-    model.check_token_ids(batch.input_ids, "batch input_ids")       # the labels come from here
-    if layer_ids is None:
-        layer_ids = getattr(batch, "layer_ids", None)
-    hidden = model(batch.hidden, blocks.block_input_ids, blocks, layer_ids=layer_ids)
     if not model.lm_head.loaded:
         raise TargetHeadError("the target's lm_head is not loaded (load_target_head / set_target_head)")
-    n, b, h = hidden.shape
-    weights = blocks.weights.reshape(-1)
-    rows = (weights > 0).nonzero().squeeze(1)        # only rows that carry loss meet the lm_head
-    # With no rows at all the (empty) selection still links every parameter into the graph, so
-    # backward gives them zero gradients and DDP's reduction stays in step across ranks.
-    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(n * b, h)[rows], model.lm_head.weight, blocks.labels.reshape(-1)[rows], weights[rows],
-        chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
-    weight_sum = weights.sum()
+    if layer_ids is None:
+        layer_ids = getattr(batch, "layer_ids", None)
+    model.check_context(batch.hidden, layer_ids)
+    model.check_token_ids(batch.input_ids, "batch input_ids")   # block inputs and labels come from here
+    target_hidden = batch.hidden
+    if target_hidden.shape[1] != blocks.num_context:
+        raise ContextError(f"blocks describe {blocks.num_context} context tokens, the batch has {target_hidden.shape[1]}")
+    dtype = model.fc.weight.dtype
+    if not torch.is_autocast_enabled(target_hidden.device.type):
+        target_hidden = target_hidden.to(dtype)
+    b = blocks.block_size
+    device = target_hidden.device
+    weight_sum = blocks.weights.sum()
     norm = weight_norm if weight_norm is not None else weight_sum
     norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-    position = rows % b
-    correct_per_pos = torch.zeros(b, dtype=torch.float32, device=hidden.device)
-    correct_per_pos.index_add_(0, position, correct.to(torch.float32))
-    count_per_pos = torch.bincount(position, minlength=b).to(torch.float32)
+    backward = backward and torch.is_grad_enabled()
+
+    context_kv = model.context_kv(target_hidden, blocks.context_positions)
+    if backward:
+        # Leaves the chunks' backward passes sum their gradients into, in fp32 (bf16 partial sums
+        # over many chunks would round where one backward over all blocks does not).
+        leaves = [tuple(t.detach().float().requires_grad_() for t in kv) for kv in context_kv]
+        feed = leaves
+    else:
+        feed = context_kv
+    ce_sum = torch.zeros((), dtype=torch.float32, device=device)
+    correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
+    count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
+    per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
+    for part, first, end in blocks.chunks(per_chunk):
+        n = part.num_blocks
+        noise_embedding = model.embed(part.block_input_ids.reshape(n * b)).to(dtype)
+        # in the context side's own dtype (bf16 under autocast): the layers see what they see
+        # unchunked, and the casts' backward hands fp32 gradients to the leaves
+        kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype)) for (k, v), (ck, cv) in zip(feed, context_kv)]
+        hidden = model.decode_blocks(noise_embedding, kv, part)
+        weights = part.weights.reshape(-1)
+        rows = (weights > 0).nonzero().squeeze(1)        # only rows that carry loss meet the lm_head
+        # With no rows at all the (empty) selection still links every parameter into the graph, so
+        # backward gives them zero gradients and DDP's reduction stays in step across ranks.
+        part_ce, correct = _ChunkedLinearCrossEntropy.apply(
+            hidden[rows], model.lm_head.weight, part.labels.reshape(-1)[rows], weights[rows],
+            chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
+        if backward:
+            (part_ce / norm).backward()
+            part_ce = part_ce.detach()
+        ce_sum = ce_sum + part_ce
+        position = rows % b
+        correct_per_pos.index_add_(0, position, correct.to(torch.float32))
+        count_per_pos += torch.bincount(position, minlength=b).to(torch.float32)
+        del hidden, noise_embedding, kv
+    if backward:
+        pairs = [(t, leaf.grad) for kv, kv_leaves in zip(context_kv, leaves)
+                 for t, leaf in zip(kv, kv_leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
     return LossOutput(
         loss=ce_sum / norm,
         ce_sum=ce_sum.detach(),

@@ -325,18 +325,27 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
-                rope: tuple[torch.Tensor, ...], mask: Any, attn_impl: str) -> torch.Tensor:
-        q_len, ctx_len = hidden_states.shape[0], target_hidden.shape[0]
-        q_cos, q_sin, k_cos, k_sin = rope
+    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values of the context [T, H]: k_norm and RoPE (context positions)
+        applied, [T, kv heads, head_dim] each. They depend on the context alone, never on a block,
+        so a batch computes them once and every chunk of its blocks attends to slices of them."""
+        t = context.shape[0]
+        k = self.k_norm(self.k_proj(context).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(context).view(t, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin).to(v.dtype), v
+
+    def forward(self, hidden_states: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: Any, attn_impl: str) -> torch.Tensor:
+        q_len = hidden_states.shape[0]
+        cos, sin = rope                      # the block positions: its queries' and its keys'
         q = self.q_norm(self.q_proj(hidden_states).view(q_len, self.num_heads, self.head_dim))
-        # Context and block keys/values share this layer's projections; the concatenation comes
-        # before k_norm and RoPE, so context keys are rotated by their own (document) positions.
-        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=0)
-        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=0)
-        k = self.k_norm(k.view(ctx_len + q_len, self.num_kv_heads, self.head_dim))
-        v = v.view(ctx_len + q_len, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, q_cos, q_sin).to(v.dtype), apply_rope(k, k_cos, k_sin).to(v.dtype)
+        # Block keys/values go through the same projections, k_norm and RoPE as the context's
+        # (context_kv) and are appended to them: [context ; block] keys, queries from the block only.
+        k = self.k_norm(self.k_proj(hidden_states).view(q_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden_states).view(q_len, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        k = torch.cat([context_k.to(v.dtype), k], dim=0)
+        v = torch.cat([context_v.to(v.dtype), v], dim=0)
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":
@@ -371,10 +380,10 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
-                rope: tuple[torch.Tensor, ...], mask: Any, attn_impl: str) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], mask: Any, attn_impl: str) -> torch.Tensor:
         hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), target_hidden, rope, mask, attn_impl)
+            self.input_layernorm(hidden_states), context_k, context_v, rope, mask, attn_impl)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -550,28 +559,37 @@ class DFlashDraftModel(nn.Module):
         if not torch.is_autocast_enabled(target_hidden.device.type):
             target_hidden = target_hidden.to(dtype)
         noise_embedding = self.embed(block_input_ids.reshape(n * b)).to(dtype)
-        return self.decode_blocks(noise_embedding, target_hidden, blocks).view(n, b, -1)
+        context_kv = self.context_kv(target_hidden, blocks.context_positions)
+        return self.decode_blocks(noise_embedding, context_kv, blocks).view(n, b, -1)
 
-    def decode_blocks(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor,
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context's keys and values: hidden_norm(fc(target_hidden)) through the
+        layer's k_proj / k_norm / RoPE and v_proj. positions [T]: each context token's position in
+        its document."""
+        context = self.project_context(target_hidden)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def decode_blocks(self, noise_embedding: torch.Tensor, context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                       blocks: BlockBatch) -> torch.Tensor:
-        """[N*B, H] embedded block tokens + [k, T, H] captured planes -> [N*B, H] after the final norm.
+        """[N*B, H] embedded block tokens + each layer's context keys/values -> [N*B, H] after the
+        final norm.
 
-        Everything of the forward after the frozen embedding, without the input checks: the
+        `context_kv` covers exactly the context tokens of `blocks` (all of a batch, or the slice
+        that `BlockBatch.chunks` cut for a chunk of its blocks). No input checks here: the
         trainer's kernel warm-up runs it on random inputs before the target's head is loaded.
         """
         layout = AttentionLayout.from_blocks(blocks, self.segment_rows)
-        target_hidden = self.project_context(target_hidden)
         cfg = self.config
-        rope = (*rope_cos_sin(layout.query_pos, cfg.head_dim, cfg.rope_theta),
-                *rope_cos_sin(layout.key_pos, cfg.head_dim, cfg.rope_theta))
-        impl = resolve_attention(self.attn_impl, target_hidden.device.type, cfg.head_dim)
+        rope = rope_cos_sin(layout.query_pos, cfg.head_dim, cfg.rope_theta)
+        impl = resolve_attention(self.attn_impl, noise_embedding.device.type, cfg.head_dim)
         make_mask = {"split": lambda w: SplitMask(layout.segments, layout.split_masks(w)),
                      "sdpa": layout.dense_mask, "flex": layout.flex_mask}[impl]
         masks = {w: make_mask(w) for w in {layer.self_attn.sliding_window for layer in self.layers}}
 
         hidden_states = noise_embedding
-        for layer in self.layers:
-            args = (hidden_states, target_hidden, rope, masks[layer.self_attn.sliding_window], impl)
+        for layer, (context_k, context_v) in zip(self.layers, context_kv):
+            args = (hidden_states, context_k, context_v, rope, masks[layer.self_attn.sliding_window], impl)
             if self.checkpoint_layers and torch.is_grad_enabled():
                 hidden_states = checkpoint(layer, *args, use_reentrant=False)
             else:

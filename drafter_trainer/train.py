@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
@@ -54,6 +53,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
 from .optim import TrainerAdamW, trainer_adamw
+from .step import Ranks, StepSettings, train_step
 from .target_head import TargetHead, read_target_head, text_config
 from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler,
                      warm_up_kernels)
@@ -73,54 +73,6 @@ def lr_at(progress: float, cfg: Config) -> float:
     frac = min(1.0, (progress - t.warmup_ratio) / max(1e-9, 1 - t.warmup_ratio))
     floor = t.lr * t.min_lr_ratio
     return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-class Ranks:
-    """torch.distributed when launched by torchrun with WORLD_SIZE > 1; no-ops otherwise."""
-
-    def __init__(self, device_pref: str, devices: list[str] | None = None) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if devices:   # placement from config (train.devices): this node's ranks, one device each
-            if self.local_rank >= len(devices):
-                raise ValueError(f"local rank {self.local_rank} has no device: train.devices lists {len(devices)} "
-                                 f"({devices}); start as many ranks per node as it lists")
-            device_pref = devices[self.local_rank]
-        use_cuda = torch.cuda.is_available() and device_pref != "cpu"
-        if device_pref not in ("auto", "cpu", "cuda"):
-            self.device = torch.device(device_pref)
-        else:
-            self.device = torch.device(f"cuda:{self.local_rank}") if use_cuda else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
-            # The lockstep flags and weight sums are small CPU tensors: gloo carries those, NCCL the
-            # gradients (NCCL alone has no CPU backend: "No backend type associated with device type cpu").
-            dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def broadcast_str(self, value: str) -> str:
-        if self.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def added_token_ids(target_dir: str) -> dict[str, int]:
@@ -160,8 +112,8 @@ def mask_token_id(cfg: Config, target_dir: str) -> int:
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
-    """The autocast dtype of the drafter's step: bf16 on CUDA unless train.compute_dtype says fp32."""
-    return torch.bfloat16 if device.type == "cuda" and cfg.train.compute_dtype != "fp32" else torch.float32
+    """The autocast dtype of the drafter's step (StepSettings)."""
+    return StepSettings.from_config(cfg, device).compute_dtype
 
 
 def drafter_gamma(cfg: Config) -> float:
@@ -253,21 +205,6 @@ def same_target(guess: dict[str, Any] | None, announced: dict[str, Any]) -> bool
         return False
 
 
-def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
-    """Sum every gradient over the ranks in one flat collective; a rank without a batch this step
-    contributes zeros (the DDP wrapper assumes every rank ran the same forward)."""
-    if ranks.world == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    ranks.sum_(flat)
-    i = 0
-    for p in params:   # views of the one summed buffer: no second copy of every gradient
-        n = p.numel()
-        p.grad = flat[i:i + n].view_as(p)
-        i += n
-
-
 WELCOME_GRACE_S = 0.5  # a warm target's WELCOME is in by the end of the drafter build; later means it is starting
 PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop, the background compile)
 
@@ -303,6 +240,7 @@ class Trainer:
         self.last_checkpoint = ""
         self.acc_per_pos: list[float] = []
         self.tokens = 0
+        self.anchors = 0                            # blocks supervised by this process's steps
         self.t_start = time.time()
         self.epoch_samples = 0
         self.total_batches = 1
@@ -326,6 +264,7 @@ class Trainer:
                 "skipped_steps": self.skipped_steps, "checkpoint_failures": self.checkpoint_failures,
                 "last_checkpoint_error": self.last_checkpoint_error,
                 "metrics_lines_lost": self.metrics_lines_lost, "tokens": self.tokens,
+                "anchors_per_batch": round(self.anchors / max(1, len(self.trained) - self.resumed_batches), 1),
                 "tokens_per_s": round(self.tokens / elapsed, 2),
                 "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
                                               if self.acc_per_pos else None),
@@ -461,7 +400,7 @@ class Trainer:
         # update without it while the optimizer object is built beside them (optim.py).
         self.optimizer = trainer_adamw(params, cfg.train, self.device, st["optimizer"] if st else None,
                                        defer_build=True)   # started after the first step, or when idle
-        self.compute_dtype = compute_dtype_for(cfg, self.device)
+        self.step_settings = StepSettings.from_config(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
         if self.ranks.rank == 0:
@@ -512,6 +451,7 @@ class Trainer:
         self.tokens += batch.num_tokens
         if out is None:
             return
+        self.anchors += out.num_anchors
         acc = (out.correct_per_pos / out.count_per_pos.clamp_min(1)).tolist()
         self.acc_per_pos = acc[1:]  # position 0 is the anchor itself (no loss)
         self.last_loss = float(out.loss.detach()) if out.loss.numel() == 1 else float("nan")
@@ -531,7 +471,6 @@ class Trainer:
 
     def train_loop(self) -> int:
         cfg, ranks, model = self.cfg, self.ranks, self.model
-        params = [p for p in model.parameters() if p.requires_grad]
         ends_seen: set[int] = set()
         loop_start = time.perf_counter()
         while True:
@@ -571,35 +510,20 @@ class Trainer:
                 continue
             self.state = "training"
 
-            # forward: anchors -> blocks -> DFlash loss, normalised by all ranks' weight sum
-            out = None
+            # anchors -> blocks -> the step (loss and backward chunk by chunk, all-reduce, clip, AdamW)
+            blocks = (self._blocks(batch, anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
+                      if batch is not None else None)
+            lr = lr_at(min(1.0, trained_total / self.total_batches), cfg)
             with self.stages.time("step"):
-                if batch is not None:
-                    blocks = self._blocks(batch, anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
-                    local_w = blocks.weights.sum().detach().double().reshape(1)
-                else:
-                    blocks, local_w = None, torch.zeros(1, dtype=torch.float64)
-                global_w = ranks.sum_(local_w.cpu().clone() if ranks.world > 1 else local_w.cpu())
-                if blocks is not None and float(global_w) > 0:
-                    with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                        enabled=self.compute_dtype != torch.float32):
-                        out = dflash_loss(model, batch, blocks, cfg.drafter.loss_chunk,
-                                          weight_norm=global_w.to(self.device, torch.float32))
-                    out.loss.backward()
-                allreduce_grads(self.ranks, params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip) if params else torch.zeros(())
-                ok = bool(torch.isfinite(grad_norm)) and (out is None or bool(torch.isfinite(out.loss.detach())))
-                finite = ranks.sum_(torch.tensor([float(ok)]))
-                lr = lr_at(min(1.0, trained_total / self.total_batches), cfg)
-                if float(finite) < ranks.world:
-                    self.skipped_steps += 1
-                    self.bad_in_row += 1
-                    log.error("step %d skipped: non-finite loss or gradient (seq %s)", self.step,
-                              batch.seq if batch is not None else "-")
-                else:
-                    self.bad_in_row = 0
-                    self.optimizer.step(lr)
-                self.optimizer.zero_grad()
+                result = train_step(model, self.optimizer, batch, blocks, lr, self.step_settings, ranks)
+            out = result.out
+            if result.applied:
+                self.bad_in_row = 0
+            else:
+                self.skipped_steps += 1
+                self.bad_in_row += 1
+                log.error("step %d skipped: non-finite loss or gradient (seq %s)", self.step,
+                          batch.seq if batch is not None else "-")
             self.step += 1
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
@@ -646,9 +570,9 @@ class Trainer:
             with torch.no_grad(), self.stages.time("eval"):
                 for batch in batches:
                     blocks = self._blocks(batch, heldout_anchor_seed(cfg.train.seed, batch.seq))
-                    with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                        enabled=self.compute_dtype != torch.float32):
-                        out = dflash_loss(model, batch, blocks, cfg.drafter.loss_chunk)
+                    with self.step_settings.autocast(self.device):
+                        out = dflash_loss(model, batch, blocks, cfg.drafter.loss_chunk,
+                                          blocks_per_chunk=cfg.drafter.blocks_per_chunk)
                     correct += out.correct_per_pos.detach().double().cpu()
                     count += out.count_per_pos.detach().double().cpu()
                     ce_sum += float(out.ce_sum)

@@ -36,7 +36,7 @@ from torch import nn
 from common.batch import PackedBatch
 from drafter_trainer.blocks import build_blocks, sample_anchors
 from drafter_trainer.devices import use_device
-from drafter_trainer.loss import cross_entropy_fn
+from drafter_trainer.loss import auto_blocks_per_chunk, cross_entropy_fn
 from drafter_trainer.model import DFlashDraftModel, resolve_attention
 
 
@@ -119,19 +119,25 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
     anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), max_anchors,
                              torch.Generator().manual_seed(WARMUP_SEED))
     blocks = build_blocks(batch, anchors.to(device), cfg.block_size, cfg.mask_token_id, gamma)
+    # one chunk of blocks, as the step runs them (every graph is dynamic in the block count)
+    blocks, first, end = blocks.chunks(auto_blocks_per_chunk(cfg.block_size))[0]
     params = [p for p in model.parameters() if p.requires_grad]
     had_grad = [p.grad for p in params]
     autocast = compute_dtype != torch.float32
     noise = torch.randn(blocks.num_blocks * cfg.block_size, cfg.hidden_size, device=device,
                         dtype=model.fc.weight.dtype, generator=gen)
+
+    def decode() -> torch.Tensor:
+        kv = model.context_kv(batch.hidden, batch.position_ids)
+        return model.decode_blocks(noise, [(k[first:end], v[first:end]) for k, v in kv], blocks)
+
     with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-        out = model.decode_blocks(noise, batch.hidden, blocks)
-        loss = out.float().square().mean()
+        loss = decode().float().square().mean()
     loss.backward()
     for p, grad in zip(params, had_grad):
         p.grad = grad
     with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-        model.decode_blocks(noise, batch.hidden, blocks)   # the held-out eval's graphs (no autograd)
+        decode()   # the held-out eval's graphs (no autograd)
     if model.compiled:   # the loss head's elementwise half: one graph with a gradient, one without
         logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype, generator=gen)
         labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device, generator=gen)

@@ -32,17 +32,35 @@ def test_anchor_candidates_are_loss_tokens_followed_by_a_loss_token_of_the_same_
     assert 8 not in want and 22 not in want          # last token of a document: p+1 is another document
 
 
-def test_anchors_are_capped_sorted_distinct_and_drawn_uniformly():
+def test_anchors_are_capped_per_document_sorted_distinct_and_drawn_uniformly():
+    # candidates: doc 0 -> 0..7 (8), doc 1 -> 9..21 (13), doc 2 -> 23..32 (10); the cap is per document
     mask = torch.ones(34, dtype=torch.uint8)
+    doc = _doc_of(DOCS)
+    by_doc = {0: list(range(0, 8)), 1: list(range(9, 22)), 2: list(range(23, 33))}
     counts = torch.zeros(34)
     for seed in range(400):
         got = sample_anchors(mask, torch.tensor(DOCS), 5, torch.Generator().manual_seed(seed))
-        assert got.numel() == 5 and got.unique().numel() == 5 and torch.equal(got, got.sort().values)
+        assert got.numel() == 15 and got.unique().numel() == 15 and torch.equal(got, got.sort().values)
+        assert [sum(doc[p] == d for p in got.tolist()) for d in range(3)] == [5, 5, 5]
         counts[got] += 1
-    candidates = [p for p in range(33) if p not in (8, 22)]
     assert counts[[8, 22, 33]].sum() == 0
-    expected = 400 * 5 / len(candidates)              # about 64.5 draws per candidate
-    assert counts[candidates].min() > 0.6 * expected and counts[candidates].max() < 1.4 * expected
+    for candidates in by_doc.values():
+        expected = 400 * 5 / len(candidates)          # 250, ~154 and 200 draws per candidate
+        assert counts[candidates].min() > 0.75 * expected and counts[candidates].max() < 1.25 * expected
+
+
+def test_each_document_gets_min_of_the_cap_and_its_candidates():
+    # doc 0: 3 candidates (0, 1, 2; token 4 is off, so 3 is not one); doc 1: 13; doc 2: none (loss off)
+    mask = torch.ones(34, dtype=torch.uint8)
+    mask[4] = 0
+    mask[4:9] = 0
+    mask[23:] = 0
+    doc = _doc_of(DOCS)
+    for cap, want in ((1, [1, 1, 0]), (3, [3, 3, 0]), (4, [3, 4, 0]), (13, [3, 13, 0]), (100, [3, 13, 0])):
+        got = sample_anchors(mask, torch.tensor(DOCS), cap, torch.Generator().manual_seed(cap)).tolist()
+        assert [sum(doc[p] == d for p in got) for d in range(3)] == want, cap
+        assert all(mask[p] and mask[p + 1] and doc[p] == doc[p + 1] for p in got)
+    assert sample_anchors(mask, torch.tensor(DOCS), 0, torch.Generator()).numel() == 0
 
 
 def test_anchor_seed_is_a_pure_function_of_seed_epoch_and_seq():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("env", "p1", "p5", "p23", "services", "scale", "placements")
+PARTS = ("env", "p1", "p5", "p5d", "p23", "services", "p7", "scale", "placements")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,7 +41,9 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     first_pass = figures["p23"]["first_pass"]
     assert {"per_document+cudnn", "per_document"} <= set(first_pass), first_pass   # varlen: CUDA only
     assert all(v["first_tok_s"] > 0 and v["repeat_tok_s"] > 0 for k, v in first_pass.items() if k != "batches")
-    for key in ("P1", "P2", "P3", "P4", "P5", "P6"):
+    p5d = figures["p5d"]
+    assert p5d["anchors_per_batch"] > 0 and p5d["drafter_alone_tok_s"] > 0 and len(p5d["chunks"]) == 2
+    for key in ("P1", "P2", "P3", "P4", "P5", "P5d", "P6d", "P7"):
         bench = results["benchmarks"][key]
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"

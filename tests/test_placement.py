@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.gpu.gpu_bench import recommend_split
-from drafter_trainer.train import Ranks
+from drafter_trainer.step import Ranks
 
 
 def test_each_local_rank_takes_its_own_listed_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """The drafter as the trainer runs it, without the feed: built for the benchmark's target shape,
 stepped on synthetic or dataset batches. P5 (one GPU) and the rank-scaling run (torchrun, NCCL)
-share it, so both time the trainer's own step: DFlash loss, backward, the flat gradient
-all-reduce of drafter_trainer.train, clip, finite check, AdamW. `compile_mode` is drafter.compile
+share it, so both time the trainer's own step, drafter_trainer.step.train_step: DFlash loss and
+backward chunk by chunk, the flat gradient all-reduce, clip, finite check, AdamW. `compile_mode` is drafter.compile
 (auto: compiled on CUDA, like the trainer); `model.compile_for` switches it between runs.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from bench.gpu import fixtures
 
 class DrafterRig:
     def __init__(self, manifest: dict[str, Any], device: torch.device, layers: int, block: int, anchors: int,
-                 loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto") -> None:
+                 loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto",
+                 blocks_per_chunk: int = 0) -> None:
         from common.config import DrafterConfig, default_gamma
         from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 
@@ -52,6 +53,12 @@ class DrafterRig:
         # the trainer's optimizer past its hand-over: torch's fused AdamW
         self.optimizer = trainer_adamw(self.params, train_cfg, device, build_in_background=False)
         self.gamma = default_gamma(block)
+        from drafter_trainer.step import Ranks, StepSettings
+
+        self.settings = StepSettings(loss_chunk=loss_chunk, blocks_per_chunk=blocks_per_chunk,
+                                     grad_clip=train_cfg.grad_clip,
+                                     compute_dtype=torch.bfloat16 if self.cuda else torch.float32)
+        self.one_rank = Ranks(str(device))
         self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32
 
     def blocks_for(self, batch: Any, seq: int) -> Any:
@@ -79,19 +86,10 @@ class DrafterRig:
         return work
 
     def step(self, batch: Any, blocks: Any, ranks: Any = None) -> None:
-        """drafter_trainer.train.train_loop's step for one rank."""
-        from drafter_trainer.loss import dflash_loss
-        from drafter_trainer.train import allreduce_grads
+        """The trainer's step (drafter_trainer.step.train_step) for one rank."""
+        from drafter_trainer.step import train_step
 
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
-            out = dflash_loss(self.model, batch, blocks, self.loss_chunk)
-        out.loss.backward()
-        if ranks is not None:
-            allreduce_grads(ranks, self.params)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        if bool(torch.isfinite(norm)) and bool(torch.isfinite(out.loss.detach())):
-            self.optimizer.step(self.lr)
-        self.optimizer.zero_grad()
+        train_step(self.model, self.optimizer, batch, blocks, self.lr, self.settings, ranks or self.one_rank)
 
     def timed(self, work: list[tuple[Any, Any]], warmup: int, steps: int, ranks: Any = None) -> list[float]:
         """Seconds of each of `steps` steps after `warmup` untimed ones (peak memory reset between)."""

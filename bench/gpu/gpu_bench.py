@@ -59,7 +59,8 @@ FULL: dict[str, Any] = dict(
     token_budget=16384, max_len=3072, median=512.0, sigma=1.0, dataset_docs=4000,
     # parts
     copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=16, p2_warmup=3, p2_repeats=3, p3_docs=96,
-    p5_tokens=3072, p5_docs=2, anchors=512, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
+    p5_tokens=3072, p5_docs=2, p5_anchors=256, anchors=512, p5d_batches=4, p5d_chunks="0,512,2048", p5d_steps=6,
+    p7_gpus=8, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
     p5_warmup=2, p5_attn="sdpa,split,flex", p5_compile="on,off", p5_profile=15, p6_seconds=20.0, p6_skip_steps=3,
     ring_slots=4, matmul_n=8192, step_timeout=420.0,
     # issue 8: GPUs to scale over (0: all), batches per worker, full-depth layers of the real target
@@ -72,7 +73,7 @@ QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
     linear_k_dim=32, linear_v_dim=32, vocab=2048, mask_token_id=2040, token_budget=512, max_len=256,
     median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p2_repeats=2, p3_docs=24,
-    p5_tokens=256, anchors=32, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
+    p5_tokens=256, p5_anchors=16, anchors=32, p5d_batches=2, p5d_chunks="0,8", p5d_steps=2, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
 )
@@ -333,7 +334,7 @@ def part_p5(ctx: Ctx) -> str:
     peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
     ctx.store.figures("p5", matmul_peak_tflops=peak, matmul_n=a.matmul_n)
     print(f"matmul {a.matmul_n}^3 peak: {peak:.1f} TFLOP/s")
-    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed, compile_mode="off")
+    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.p5_anchors, a.loss_chunk, a.seed, compile_mode="off")
     dcfg = rig.config
     impls = [x for x in a.p5_attn.split(",") if x]
     modes = [x for x in a.p5_compile.split(",") if x]
@@ -341,7 +342,8 @@ def part_p5(ctx: Ctx) -> str:
         raise ValueError(f"--p5-compile {a.p5_compile!r}: a list of on / off")
 
     # P5: the brief's size (one 3072-token row, 512 anchors), each attention path of the drafter
-    numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_max": a.anchors, "block": a.block,
+    numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_per_doc_max": a.p5_anchors,
+                               "block": a.block,
                                "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
                                "heads": f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads}x{dcfg.head_dim}",
                                "intermediate": dcfg.intermediate_size, "vocab": dcfg.vocab_size,
@@ -419,18 +421,133 @@ def part_p5(ctx: Ctx) -> str:
         traceback.print_exc()
         ctx.store.benchmark_error("P5", f"{type(e).__name__}: {e}", numbers)
 
-    # Drafter alone on the services' batches: token budget rows of the synthetic dataset
-    work = rig.dataset_work(list(range(3)))
-    times = rig.timed(work, a.p5_warmup, a.p5_steps)
-    tokens = sum(work[i % len(work)][0].num_tokens for i in range(len(times)))
-    alone = {"drafter_alone_tok_s": tokens / sum(times), "drafter_alone_step_s": float(np.median(times)),
-             "drafter_alone_tokens_per_batch": tokens / len(times), "drafter_alone_attn": rig.model.attn_impl,
-             "drafter_alone_compiled": rig.model.compiled}
-    if ctx.cuda:
-        alone["drafter_alone_peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-    ctx.store.figures("p5", **alone)
-    print(json.dumps(alone, indent=1))
     return "measured"
+
+
+def part_p5d(ctx: Ctx) -> str:
+    """P5d: the drafter step at the published anchor density: the dataset's budget-size batches of
+    lognormal documents, up to --anchors anchors per document, the step's chunks of
+    --p5d-chunks blocks each (the first is the default, 0 = auto), the attention path and compile
+    mode the trainer uses on CUDA; MFU from counted FLOPs, peak memory, tok/s. The fastest chunk
+    size gives the drafter-alone rate P6d and P7 use, and a kernel profile."""
+    from dataclasses import replace
+
+    from bench.gpu.drafter_rig import DrafterRig
+    from bench.trainer_bench import step_flops
+    from drafter_trainer.loss import auto_blocks_per_chunk
+
+    a = ctx.args
+    dev = ctx.device
+    manifest = fixtures.read_manifest(ctx.workdir)
+    peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
+    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
+                     attn=a.drafter_attn or "auto", compile_mode="auto")
+    from drafter_trainer.model import resolve_attention
+    rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
+    work = rig.dataset_work(list(range(a.p5d_batches)))
+    anchors = [blocks.num_blocks for _, blocks in work]
+    tokens = [batch.num_tokens for batch, _ in work]
+    numbers: dict[str, Any] = {"anchors_per_doc_max": a.anchors, "batches": len(work),
+                               "anchors_per_batch": float(np.mean(anchors)), "tokens_per_batch": float(np.mean(tokens)),
+                               "docs_per_batch": float(np.mean([int(b.doc_lens.numel()) for b, _ in work])),
+                               "matmul_peak_tflops": peak, "attn": rig.model.attn_impl, "compiled": rig.model.compiled,
+                               "chunks": {}}
+    print(json.dumps(numbers), flush=True)
+    best = None
+    for chunk in [int(x) for x in a.p5d_chunks.split(",") if x != ""]:
+        per = chunk or auto_blocks_per_chunk(a.block)
+        rig.settings = replace(rig.settings, blocks_per_chunk=per)
+        t0 = time.perf_counter()
+        try:
+            times = rig.timed(work, a.p5_warmup, a.p5d_steps)
+        except Exception as e:   # a chunk size that does not fit leaves the others measured
+            traceback.print_exc()
+            numbers["chunks"][str(per)] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rig.optimizer.zero_grad()
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+            continue
+        steps = [work[i % len(work)] for i in range(len(times))]
+        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, per) for b, bl in steps]
+        total_s = sum(times)
+        v = {"blocks_per_chunk": per, "step_s": float(np.median(times)), "step_s_all": times,
+             "first_steps_s": time.perf_counter() - t0 - total_s,
+             "tok_s": sum(b.num_tokens for b, _ in steps) / total_s,
+             "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
+             "mfu": sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
+             "executed_mfu": sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
+             "gflop_per_token": sum(f["model_total"] for f in flops) / sum(b.num_tokens for b, _ in steps) / 1e9,
+             "flops_share": {k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
+                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")}}
+        if ctx.cuda:
+            v["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        numbers["chunks"][str(per)] = v
+        print("chunk", per, json.dumps({k: x for k, x in v.items() if k != "step_s_all"}), flush=True)
+        if best is None or v["tok_s"] > numbers["chunks"][str(best)]["tok_s"]:
+            best = per
+        ctx.store.figures("p5d", **numbers)
+    if best is None:
+        raise RuntimeError(f"every chunk size failed: {numbers['chunks']}")
+    chosen = numbers["chunks"][str(best)]
+    numbers.update({k: x for k, x in chosen.items() if k != "step_s_all"})
+    if ctx.cuda and a.p5_profile:
+        rig.settings = replace(rig.settings, blocks_per_chunk=best)
+        numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
+    ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
+    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
+                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best)
+    print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
+    return "measured"
+
+
+def part_p7(ctx: Ctx) -> str:
+    """P7: one 8-GPU host at the real depth, projected from this run's one-GPU rates: the target's
+    rate per GPU (the proxy's worker rate from p23, scaled by computed layers: the proxy's per-layer
+    time equals the full stack's within 1% on the H200), the drafter's (P5d), the best split of 8
+    GPUs between them, against the FLOP limit of the host (both services at the measured matmul
+    peak). A projection: multi-GPU efficiency is taken as 1 (measured 0.9-1.0 on 4 GPUs before)."""
+    a = ctx.args
+    parts = ctx.store.read()["parts"]
+    p23, p5d = parts.get("p23", {}).get("figures", {}), parts.get("p5d", {}).get("figures", {})
+    manifest = fixtures.read_manifest(ctx.workdir)
+    shape = fixtures.shape_of(manifest)
+    proxy_layers = max(shape.capture_ids) + 1
+    target_proxy, drafter = p23.get("target_alone_tok_s"), p5d.get("drafter_alone_tok_s")
+    peak, drafter_gflop = p5d.get("matmul_peak_tflops"), p5d.get("drafter_gflop_per_token")
+    if not (target_proxy and drafter and peak and drafter_gflop):
+        raise SkipPart("needs p23's target rate and p5d's drafter rate, FLOPs and matmul peak from this run")
+    target = target_proxy * proxy_layers / a.real_layers_computed
+    target_gflop = target_flops_per_token(shape, a.real_layers_computed, a.median) / 1e9
+    gpus = a.p7_gpus
+    rows = [{"target_gpus": n, "trainer_gpus": gpus - n, "tok_s": min(n * target, (gpus - n) * drafter),
+             "bound_by": "target" if n * target < (gpus - n) * drafter else "trainer"} for n in range(1, gpus)]
+    best = max(rows, key=lambda r: r["tok_s"])
+    limit = gpus * peak * 1e12 / ((target_gflop + drafter_gflop) * 1e9)
+    numbers = {"gpus": gpus, "target_full_depth_tok_s_per_gpu": target, "target_proxy_tok_s": target_proxy,
+               "depth_scale": f"{proxy_layers}/{a.real_layers_computed} layers", "drafter_tok_s_per_gpu": drafter,
+               "target_gflop_per_token": target_gflop, "drafter_gflop_per_token": drafter_gflop,
+               "matmul_peak_tflops": peak, "flop_limit_tok_s": limit, "best": best, "splits": rows,
+               "projected_tok_s": best["tok_s"]}
+    ctx.store.benchmark("P7", {"projected_over_flop_limit": best["tok_s"] / limit}, numbers)
+    print(json.dumps(numbers, indent=1), flush=True)
+    return "projected"
+
+
+def target_flops_per_token(shape: fixtures.TargetShape, layers: int, median_len: float) -> float:
+    """Forward FLOPs per token of `layers` decoder layers of the target shape: 2 per weight of every
+    linear (attention, Gated-DeltaNet projections, MLP) plus full attention's scores over a mean
+    context of half the median document (every 4th layer), the GDN state work left out (small
+    beside the projections at this width). The lm_head and embedding never run (stopped early)."""
+    h, i = shape.hidden, shape.intermediate
+    attn = h * (2 * shape.heads * shape.head_dim) + 2 * h * shape.kv_heads * shape.head_dim \
+        + shape.heads * shape.head_dim * h            # q (with its gate), k, v, o
+    qk, v = shape.linear_k_heads * shape.linear_k_dim, shape.linear_v_heads * shape.linear_v_dim
+    gdn = h * (2 * qk + 2 * v + 2 * shape.linear_v_heads) + v * h   # q, k, v, z, a, b in; out
+    mlp = 3 * h * i
+    full = layers // 4
+    weights = full * attn + (layers - full) * gdn + layers * mlp
+    scores = full * 4 * shape.heads * shape.head_dim * median_len / 2
+    return 2.0 * weights + scores
 
 
 def part_p23(ctx: Ctx) -> str:
@@ -625,7 +742,7 @@ def part_services(ctx: Ctx) -> str:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
     parts = ctx.store.read()["parts"]
     target_alone = parts.get("p23", {}).get("figures", {}).get("target_alone_tok_s")
-    drafter_alone = parts.get("p5", {}).get("figures", {}).get("drafter_alone_tok_s")
+    drafter_alone = parts.get("p5d", {}).get("figures", {}).get("drafter_alone_tok_s")
     together = figures.get("together_tok_s")
     numbers = {"together_tok_s": together, "target_alone_tok_s": target_alone, "drafter_alone_tok_s": drafter_alone,
                "together_steps": figures.get("together_steps"),
@@ -633,10 +750,10 @@ def part_services(ctx: Ctx) -> str:
     if together and target_alone and drafter_alone:
         ideal = 1.0 / (1.0 / target_alone + 1.0 / drafter_alone)
         numbers["ideal_tok_s"] = ideal
-        ctx.store.benchmark("P6", {"together_over_ideal": together / ideal}, numbers)
+        ctx.store.benchmark("P6d", {"together_over_ideal": together / ideal}, numbers)
     else:
         missing = [k for k in ("together_tok_s", "target_alone_tok_s", "drafter_alone_tok_s") if not numbers[k]]
-        ctx.store.benchmark_error("P6", error or f"missing {', '.join(missing)}", numbers)
+        ctx.store.benchmark_error("P6d", error or f"missing {', '.join(missing)}", numbers)
     print(json.dumps({k: v for k, v in figures.items() if not k.endswith("_stages")}, indent=1, default=str))
     if error:
         raise RuntimeError(error)
@@ -969,9 +1086,10 @@ def _read_json(path: str) -> dict[str, Any]:
 # ---- the command line ----------------------------------------------------------------------------
 PARTS: dict[str, Callable[[Ctx], str]] = {
     "env": part_env, "tests": part_tests, "copycheck": part_copycheck, "p1": part_p1, "p5": part_p5,
-    "p23": part_p23, "services": part_services, "scale": part_scale, "placements": part_placements,
+    "p5d": part_p5d, "p23": part_p23, "services": part_services, "p7": part_p7, "scale": part_scale,
+    "placements": part_placements,
 }
-NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env"}
+NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env", "p7"}
 
 
 def build_parser() -> argparse.ArgumentParser:

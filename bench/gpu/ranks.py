@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gpu import fixtures
     from bench.gpu.drafter_rig import DrafterRig
-    from drafter_trainer.train import Ranks
+    from drafter_trainer.step import Ranks
 
     ranks = Ranks("auto", [d for d in a.devices.split(",") if d])
     manifest = fixtures.read_manifest(a.workdir)

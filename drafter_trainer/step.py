@@ -1,0 +1,147 @@
+"""One training step of the drafter, on every rank together: the only place that runs its
+backward pass and optimizer update.
+
+    blocks -> DFlash loss, forward + backward chunk by chunk (loss.dflash_loss) -> gradients summed
+    over the ranks -> clip -> finite on every rank? -> AdamW at the step's learning rate
+
+The trainer's loop, the toy-target training (`dfpipe make-toy-target` and the tau checks) and the
+GPU benchmarks' drafter rig all call `train_step`, so what is measured and what is tested is the
+step users run.
+
+Ranks. A rank without a batch this step passes `blocks=None`: it contributes zero loss and zero
+gradient to the collectives, so uneven epochs never deadlock. The loss is normalised by the weight
+sum over all ranks, so gradients are summed, not averaged, across ranks: every rank's tokens
+weigh as in one big batch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.batch import PackedBatch
+from common.config import Config
+
+from .blocks import BlockBatch
+from .loss import LossOutput, dflash_loss
+from .model import DFlashDraftModel
+
+
+class Ranks:
+    """torch.distributed when launched by torchrun with WORLD_SIZE > 1; no-ops otherwise."""
+
+    def __init__(self, device_pref: str = "auto", devices: list[str] | None = None) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if devices:   # placement from config (train.devices): this node's ranks, one device each
+            if self.local_rank >= len(devices):
+                raise ValueError(f"local rank {self.local_rank} has no device: train.devices lists {len(devices)} "
+                                 f"({devices}); start as many ranks per node as it lists")
+            device_pref = devices[self.local_rank]
+        use_cuda = torch.cuda.is_available() and device_pref != "cpu"
+        if device_pref not in ("auto", "cpu", "cuda"):
+            self.device = torch.device(device_pref)
+        else:
+            self.device = torch.device(f"cuda:{self.local_rank}") if use_cuda else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            # The lockstep flags and weight sums are small CPU tensors: gloo carries those, NCCL the
+            # gradients (NCCL alone has no CPU backend: "No backend type associated with device type cpu").
+            dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo")
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def broadcast_str(self, value: str) -> str:
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
+    """Sum every gradient over the ranks in one flat collective; a rank without a batch this step
+    contributes zeros (the DDP wrapper assumes every rank ran the same forward)."""
+    if ranks.world == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ranks.sum_(flat)
+    i = 0
+    for p in params:   # views of the one summed buffer: no second copy of every gradient
+        n = p.numel()
+        p.grad = flat[i:i + n].view_as(p)
+        i += n
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The step's knobs (drafter.loss_chunk, drafter.blocks_per_chunk, train.grad_clip) and its
+    autocast dtype (bf16 on CUDA unless train.compute_dtype says fp32; fp32 elsewhere)."""
+
+    loss_chunk: int = 1024
+    blocks_per_chunk: int = 0
+    grad_clip: float = 1.0
+    compute_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, cfg: Config, device: torch.device) -> "StepSettings":
+        bf16 = device.type == "cuda" and cfg.train.compute_dtype != "fp32"
+        return cls(loss_chunk=cfg.drafter.loss_chunk, blocks_per_chunk=cfg.drafter.blocks_per_chunk,
+                   grad_clip=cfg.train.grad_clip, compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+
+    def autocast(self, device: torch.device) -> torch.autocast:
+        return torch.autocast(device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+
+
+@dataclass
+class StepResult:
+    out: LossOutput | None   # this rank's loss and accuracy; None when it had no batch (or no rank had weight)
+    applied: bool            # every rank's loss and gradient were finite: the optimizer stepped
+
+
+def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | None, blocks: BlockBatch | None,
+               lr: float, settings: StepSettings, ranks: Ranks) -> StepResult:
+    """One optimizer step; `optimizer` has `params`, `step(lr)` and `zero_grad()` (optim.TrainerAdamW).
+
+    A non-finite loss or gradient on any rank skips the update on every rank (applied=False) and
+    leaves the weights as they were; the caller counts it.
+    """
+    device = next(model.parameters()).device
+    local_w = blocks.weights.sum().detach().double().reshape(1).cpu() if blocks is not None \
+        else torch.zeros(1, dtype=torch.float64)
+    global_w = ranks.sum_(local_w)
+    out = None
+    if blocks is not None and float(global_w) > 0:
+        with settings.autocast(device):
+            out = dflash_loss(model, batch, blocks, settings.loss_chunk,
+                              weight_norm=global_w.to(device, torch.float32),
+                              blocks_per_chunk=settings.blocks_per_chunk, backward=True)
+    params = optimizer.params
+    allreduce_grads(ranks, params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip) if params else torch.zeros(())
+    ok = bool(torch.isfinite(grad_norm)) and (out is None or bool(torch.isfinite(out.loss)))
+    applied = float(ranks.sum_(torch.tensor([float(ok)]))) == ranks.world
+    if applied:
+        optimizer.step(lr)
+    optimizer.zero_grad()
+    return StepResult(out=out, applied=applied)

@@ -1,0 +1,182 @@
+"""The drafter step over its blocks in chunks: the same loss and gradients as one pass over all
+blocks, with activations that grow with the chunk, not with the number of anchors.
+
+The per-document anchor cap puts thousands of blocks in a 16K-token batch; `dflash_loss(...,
+backward=True)` computes the context side once and runs forward + backward one chunk of blocks at
+a time (see its docstring). Tolerances: fp32 throughout; the chunked and the unchunked step add
+the same terms in another order (per-chunk partial sums of the loss, of each weight's gradient
+and of the context keys' gradient), so they differ by a few ulps of the sums: 1e-5 relative.
+"""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from drafter_trainer.blocks import BlockBatch, build_blocks, sample_anchors
+from drafter_trainer.loss import dflash_loss
+from test_drafter_model import MASK, make_batch, make_model, tiny_config
+
+DOCS = [9, 30, 1, 17, 23]          # a one-token document: no anchor, but its tokens are context
+REL = 1e-5
+
+
+def _blocks(batch, cap: int, pad_to: int | None = None) -> BlockBatch:
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, cap, torch.Generator().manual_seed(3))
+    return build_blocks(batch, anchors, 4, MASK, 3.0, pad_to=pad_to)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _cfg(sliding: bool):
+    if sliding:
+        return tiny_config(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                             "sliding_attention"], sliding_window=5)
+    return tiny_config(num_hidden_layers=2)
+
+
+def test_chunks_cover_every_block_once_with_the_context_its_blocks_can_see():
+    batch = make_batch(DOCS)
+    blocks = _blocks(batch, 100, pad_to=80)
+    n = blocks.num_blocks
+    seen = []
+    for part, first, end in blocks.chunks(7):
+        seen.extend(range(len(seen), len(seen) + part.num_blocks))
+        real = part.valid
+        if real.any():
+            anchors = part.anchors[real] + first                  # back to packed indices
+            docs = part.anchor_doc[real]
+            starts = torch.cumsum(batch.doc_lens, 0) - batch.doc_lens
+            assert first == int(starts[docs.min()]) and end == int(anchors.max())
+            assert torch.equal(part.context_doc, blocks.context_doc[first:end])
+        else:
+            assert first == end == 0 and part.num_context == 0
+    assert seen == list(range(n))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("impl", ["split", "sdpa"])
+@pytest.mark.parametrize("per_chunk", [1, 5, 16])
+def test_chunked_backward_gives_the_unchunked_loss_and_gradients(impl, per_chunk, sliding):
+    model = make_model(_cfg(sliding), std=0.05, attn_impl=impl)
+    mask = torch.ones(sum(DOCS), dtype=torch.uint8)
+    mask[[2, 10, 11, 25, 50]] = 0
+    batch = make_batch(DOCS, loss_mask=mask)
+    blocks = _blocks(batch, 6, pad_to=40)                         # 6 per document, then padding
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    want = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=10_000)
+    want_grads = torch.autograd.grad(want.loss, params)
+    got = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=per_chunk, backward=True)
+    assert not got.loss.requires_grad
+    assert _rel_err(got.loss, want.loss.detach()) <= REL
+    assert torch.equal(got.correct_per_pos, want.correct_per_pos)
+    assert torch.equal(got.count_per_pos, want.count_per_pos)
+    for (name, p), w in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad), want_grads):
+        assert p.grad is not None, name
+        assert _rel_err(p.grad, w) <= REL, name
+    # the context side (fc, hidden_norm) got its gradient through the accumulated context keys
+    assert model.fc.weight.grad.abs().max() > 0 and model.hidden_norm.weight.grad.abs().max() > 0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_chunked_eval_equals_unchunked_on_the_flex_path():
+    # flex has no eager backward on the CPU: its forward is compared (its gradients on CUDA)
+    model = make_model(_cfg(True), std=0.05, attn_impl="flex")
+    batch = make_batch(DOCS)
+    blocks = _blocks(batch, 6)
+    with torch.no_grad():
+        want = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=10_000)
+        got = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=3)
+    assert _rel_err(got.loss, want.loss) <= REL and torch.equal(got.correct_per_pos, want.correct_per_pos)
+
+
+def test_a_chunk_without_context_or_loss_still_gives_every_weight_a_gradient():
+    # anchors at document starts see no context; a padding-only chunk has none either
+    model = make_model(std=0.05)
+    batch = make_batch([6, 6])
+    blocks = build_blocks(batch, torch.tensor([0, 6]), 4, MASK, 3.0, pad_to=4)
+    dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=1, backward=True)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+class SavedActivations:
+    """Peak bytes of the tensors autograd holds for backward (weights excluded), over a region.
+
+    Every tensor saved for backward passes through the pack hook; its holder is freed when the
+    graph that saved it is freed (after its backward), so the live set is exactly the activation
+    memory a step keeps. Storages are counted once however many views of them are saved.
+    """
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, tuple[int, int]] = {}    # storage ptr -> (bytes, holders)
+        self.current = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.exclude:
+            return t
+        holder = _Holder(t)
+        size, count = self.live.get(ptr, (t.untyped_storage().nbytes(), 0))
+        if count == 0:
+            self.current += size
+            self.peak = max(self.peak, self.current)
+        self.live[ptr] = (size, count + 1)
+        weakref.finalize(holder, self._release, ptr)
+        return holder
+
+    def _release(self, ptr: int) -> None:
+        size, count = self.live[ptr]
+        if count == 1:
+            del self.live[ptr]
+            self.current -= size
+        else:
+            self.live[ptr] = (size, count - 1)
+
+    @staticmethod
+    def unpack(x):
+        return x.tensor if isinstance(x, _Holder) else x
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _peak_saved_bytes(model, batch, blocks, per_chunk: int, backward: bool) -> int:
+    meter = SavedActivations([p for p in model.parameters()] + [batch.hidden])
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        out = dflash_loss(model, batch, blocks, chunk=64, blocks_per_chunk=per_chunk, backward=backward)
+        if not backward:
+            out.loss.backward()
+            del out
+    model.zero_grad(set_to_none=True)
+    return meter.peak
+
+
+def test_step_activations_grow_with_the_chunk_not_with_the_anchor_count():
+    # One batch of 1,088 tokens; N = 1x, 4x and 16x a chunk of 64 blocks drawn from it (the cap is
+    # per document: 64 documents of 17 tokens, 1, 4 or 16 anchors each).
+    model = make_model(std=0.05)
+    batch = make_batch([17] * 64)
+    chunk = 64
+    peaks, unchunked = {}, {}
+    for per_doc in (1, 4, 16):
+        blocks = _blocks(batch, per_doc)
+        assert blocks.num_blocks == 64 * per_doc
+        peaks[per_doc] = _peak_saved_bytes(model, batch, blocks, chunk, backward=True)
+        unchunked[per_doc] = _peak_saved_bytes(model, batch, blocks, 10_000, backward=False)
+    print("peak saved bytes, chunked:", peaks, "unchunked:", unchunked)
+    # Unchunked, the block activations scale with N; chunked, 16x the anchors cost at most what
+    # the context side and one more chunk cost (the context side is the same batch every time).
+    assert unchunked[16] > 8 * unchunked[1]
+    assert peaks[16] < 1.25 * peaks[1]
+    assert peaks[16] < unchunked[16] / 4
