@@ -15,6 +15,7 @@ Everything here is a pure function of the batch and the anchors, so a re-deliver
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -263,7 +264,14 @@ class AttentionLayout:
     key_doc: torch.Tensor           # [T+N*B]
     key_pos: torch.Tensor           # [T+N*B] RoPE position of each key
     key_block: torch.Tensor         # [T+N*B] -1 for context keys
-    segments: list[tuple[int, int, int, int]]   # (first query, end query, first ctx key, end ctx key)
+    blocks: BlockBatch
+    segment_rows: int
+
+    @functools.cached_property
+    def segments(self) -> list[tuple[int, int, int, int]]:
+        """(first query, end query, first ctx key, end ctx key) per segment: host integers, so
+        reading the anchors waits for the device; only the split path asks for them."""
+        return _segments(self.blocks, max(1, self.segment_rows // self.block_size))
 
     @classmethod
     def from_blocks(cls, blocks: BlockBatch, segment_rows: int = 256) -> "AttentionLayout":
@@ -282,7 +290,8 @@ class AttentionLayout:
             key_doc=torch.cat([blocks.context_doc, query_doc]),
             key_pos=torch.cat([blocks.context_positions, query_pos]),
             key_block=torch.cat([ctx_block, block_of_query]),
-            segments=_segments(blocks, max(1, segment_rows // b)),
+            blocks=blocks,
+            segment_rows=segment_rows,
         )
 
     @property

@@ -160,13 +160,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def auto_blocks_per_chunk(block_size: int) -> int:
-    """drafter.blocks_per_chunk 0: blocks of AUTO_CHUNK_ROWS block tokens in all (1024 blocks of
+    """drafter.blocks_per_chunk 0: blocks of AUTO_CHUNK_ROWS block tokens in all (512 blocks of
     16). Large enough that every GEMM of a chunk is a full-size one, small enough that a chunk's
-    activations at the 27B width stay around a dozen GB (docs/benchmarks.md, P5d)."""
+    activations at the 27B width stay near 9 GB (docs/benchmarks.md, P5d)."""
     return max(1, AUTO_CHUNK_ROWS // block_size)
 
 
-AUTO_CHUNK_ROWS = 16384
+AUTO_CHUNK_ROWS = 8192
 
 
 def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
@@ -226,7 +226,15 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
-    for part, first, end in blocks.chunks(per_chunk):
+    chunks = blocks.chunks(per_chunk)
+    # Only rows that carry loss meet the lm_head. Their indices for the whole batch in one host
+    # read: a nonzero() per chunk would wait for the device before every chunk, and the host could
+    # no longer prepare the next chunk's masks while the device runs the last one.
+    loss_rows = (blocks.weights.reshape(-1) > 0).nonzero().squeeze(1)
+    rows_before = torch.searchsorted(loss_rows, torch.arange(0, blocks.num_blocks + 1, per_chunk,
+                                                             device=loss_rows.device) * b).tolist()
+    rows_before.append(loss_rows.numel())
+    for i, (part, first, end) in enumerate(chunks):
         n = part.num_blocks
         noise_embedding = model.embed(part.block_input_ids.reshape(n * b)).to(dtype)
         # in the context side's own dtype (bf16 under autocast): the layers see what they see
@@ -234,7 +242,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
         kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype)) for (k, v), (ck, cv) in zip(feed, context_kv)]
         hidden = model.decode_blocks(noise_embedding, kv, part)
         weights = part.weights.reshape(-1)
-        rows = (weights > 0).nonzero().squeeze(1)        # only rows that carry loss meet the lm_head
+        rows = loss_rows[rows_before[i]:rows_before[i + 1]] - i * per_chunk * b
         # With no rows at all the (empty) selection still links every parameter into the graph, so
         # backward gives them zero gradients and DDP's reduction stays in step across ranks.
         part_ce, correct = _ChunkedLinearCrossEntropy.apply(
@@ -246,7 +254,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
         ce_sum = ce_sum + part_ce
         position = rows % b
         correct_per_pos.index_add_(0, position, correct.to(torch.float32))
-        count_per_pos += torch.bincount(position, minlength=b).to(torch.float32)
+        count_per_pos.index_add_(0, position, torch.ones_like(position, dtype=torch.float32))   # bincount syncs
         del hidden, noise_embedding, kv
     if backward:
         pairs = [(t, leaf.grad) for kv, kv_leaves in zip(context_kv, leaves)

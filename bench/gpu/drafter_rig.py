@@ -6,6 +6,7 @@ backward chunk by chunk, the flat gradient all-reduce, clip, finite check, AdamW
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -68,8 +69,12 @@ class DrafterRig:
         anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.anchors, gen)
         return build_blocks(batch, anchors.to(self.device), self.block, self.config.mask_token_id, self.gamma)
 
-    def dataset_work(self, seqs: list[int]) -> list[tuple[Any, Any]]:
-        """(batch, blocks) of the prepared dataset's packed batches `seqs`, random captured planes."""
+    def dataset_work(self, seqs: list[int], lazy_hidden: bool = False) -> list[tuple[Any, Any]]:
+        """(batch, blocks) of the prepared dataset's packed batches `seqs`, random captured planes.
+
+        lazy_hidden: the planes are drawn on the device when the batch is stepped (`step`), so the
+        work list holds none of them: like the trainer, which holds a batch or two (its credit),
+        not every batch a benchmark cycles through (0.84 GB each at the 27B shape)."""
         from target_server.data import PreparedDataset
         from target_server.packer import Packer, build_packed
 
@@ -78,18 +83,27 @@ class DrafterRig:
         work = []
         for seq in seqs:
             arrays = build_packed(dataset, packer.batch(seq))
-            t = len(arrays["input_ids"])
+            t = 0 if lazy_hidden else len(arrays["input_ids"])
             hidden = torch.randn(len(self.shape.capture_ids), t, self.shape.hidden, generator=self.generator,
                                  device=self.device, dtype=self.hidden_dtype)
             batch = fixtures.packed_batch(arrays, hidden, seq, self.device)
             work.append((batch, self.blocks_for(batch, seq)))
         return work
 
+    def with_planes(self, batch: Any) -> Any:
+        """The batch itself, or (lazy_hidden) a copy with its random planes drawn now."""
+        if batch.hidden.shape[1] == batch.num_tokens:
+            return batch
+        hidden = torch.randn(batch.hidden.shape[0], batch.num_tokens, batch.hidden.shape[2], generator=self.generator,
+                             device=self.device, dtype=self.hidden_dtype)
+        return dataclasses.replace(batch, hidden=hidden)
+
     def step(self, batch: Any, blocks: Any, ranks: Any = None) -> None:
         """The trainer's step (drafter_trainer.step.train_step) for one rank."""
         from drafter_trainer.step import train_step
 
-        train_step(self.model, self.optimizer, batch, blocks, self.lr, self.settings, ranks or self.one_rank)
+        train_step(self.model, self.optimizer, self.with_planes(batch), blocks, self.lr, self.settings,
+                   ranks or self.one_rank)
 
     def timed(self, work: list[tuple[Any, Any]], warmup: int, steps: int, ranks: Any = None) -> list[float]:
         """Seconds of each of `steps` steps after `warmup` untimed ones (peak memory reset between)."""
