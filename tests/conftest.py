@@ -1,6 +1,7 @@
 """Test-wide guards: CPU tests run the real Qwen3.5 torch fallback and never reach the hub."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -16,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Several test processes (xdist workers, spawned services) share 2 cores: one intra-op thread each
 # avoids oversubscription, which makes small torch ops ~100x slower. Children inherit the env.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's structured trace log (for TORCH_TRACE files and tlparse) is always at DEBUG and does not
+# propagate; pytest attaches its log capture to every non-propagating logger, so a failing test
+# that compiled printed ~200 lines of `DEBUG torch.__trace` JSON. Those records are dropped unless
+# a trace was asked for; warnings, errors and the project's own logs are reported as before.
+if "TORCH_TRACE" not in os.environ:
+    logging.getLogger("torch.__trace").addFilter(lambda record: False)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
