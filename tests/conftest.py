@@ -57,6 +57,23 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ("qwen3.5", "qwen3")}
 
 
+@pytest.fixture(scope="session")
+def cxx_compiler() -> str:
+    """The C++ compiler torch.compile needs on the CPU (inductor builds its CPU kernels as C++;
+    `g++`, or $CXX). Tests that compile on the CPU skip without one; under CI they fail."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        return get_cpp_compiler()
+    except InvalidCxxCompiler:
+        why = (f"torch.compile on the CPU needs a C++ compiler and {os.environ.get('CXX', 'g++')} is not there "
+               "(Debian: apt-get install g++, or set CXX)")
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     e2e = sys.modules.get("e2e")   # imported only by the tests that start services
     if e2e is not None:

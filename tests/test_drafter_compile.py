@@ -86,6 +86,7 @@ def test_fused_cross_entropy_equals_the_per_chunk_math_it_replaced(dtype, need_g
         assert not got[2][2].any() and got[2][0].any()              # weight 0: no gradient
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtype):
     fused = cross_entropy_fn(compiled=True)
@@ -99,7 +100,10 @@ def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtyp
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled):
+def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled,
+                                                                                request: pytest.FixtureRequest):
+    if compiled:
+        request.getfixturevalue("cxx_compiler")
     g = torch.Generator().manual_seed(3)
     rows, hidden_size, vocab = 11, 16, 300
     hidden = torch.randn(rows, hidden_size, generator=g, requires_grad=True)
@@ -124,6 +128,7 @@ def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(c
 
 # split: the attention runs eager between two graphs (traced into one, it got wrong gradients);
 # one layer is enough there. flex has no CPU backward (see below).
+@pytest.mark.usefixtures("cxx_compiler")
 @pytest.mark.parametrize("impl, layers", [("sdpa", 2), ("split", 1)])
 def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
     cfg = tiny_config(num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"][-layers:],
@@ -154,6 +159,7 @@ def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
     assert not compiled.compile_for("cpu", "off") and compiled.layers[0]._compiled_call_impl is None
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_compiled_norm_rounds_to_bf16_where_eager_does():
     # RMSNorm casts the normalised bf16 input back to bf16 before the fp32 gain (an fp32 result
     # under autocast); a fused kernel must not skip that rounding
@@ -339,6 +345,7 @@ def test_shadow_shares_the_weights_but_not_their_gradients_or_versions():
     assert torch.equal(shadow.fc.weight, model.fc.weight), "one memory: the update shows in the shadow"
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_compiled():
     from torch._dynamo.utils import counters
 

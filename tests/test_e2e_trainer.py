@@ -119,6 +119,7 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
         target.stop()
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing_a_sample(tmp_path: Path) -> None:
     # drafter.compile on the CPU: inductor's C++ backend, seconds for the tiny drafter, from an
     # empty cache so that the compile outlasts the first steps

@@ -71,3 +71,10 @@ def transformer_terms(layers: int, hidden: int, intermediate: int, context: int,
     projection of `projected_in` terms (the drafter's fc) and the final norm.
     """
     return projected_in + layers * (6 * hidden + context + intermediate) + hidden
+
+
+def target_terms(runner: object, context: int) -> int:
+    """`transformer_terms` for a TargetRunner's captures: through its deepest captured layer, over
+    `context` tokens (a Gated DeltaNet layer's recurrence runs over as many steps as attention's keys)."""
+    text = runner.model.config
+    return transformer_terms(max(runner.layer_ids) + 1, runner.hidden_size, int(text.intermediate_size), context)
