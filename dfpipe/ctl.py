@@ -98,6 +98,11 @@ def _duration(seconds: Any) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _commit_step(step: Any) -> str:
+    # the session reports -1 until the trainer's first checkpoint commits
+    return f"step {step}" if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else "none"
+
+
 def _line(*fields: tuple[str, str]) -> Text:
     """`label value` pairs on one row; cut with an ellipsis rather than wrapped, so the frame's height is fixed."""
     text = Text(no_wrap=True, overflow="ellipsis")
@@ -175,7 +180,7 @@ def target_panel(status: dict[str, Any] | None, rate: float | None, endpoint: st
         rows.append(_line(("trainer ranks", _num(len(session.get("ranks") or []))),
                           ("in flight", _num(session.get("in_flight"))),
                           ("uncommitted batches", _num(uncommitted_batches(session))),
-                          ("last commit step", _num(session.get("last_commit_step")))))
+                          ("last commit", _commit_step(session.get("last_commit_step")))))
     else:
         rows.append(_line(("trainer session", "none")))
     return Panel(Group(*rows), title=_title("target server", status.get("state", "?")), title_align="left")

@@ -73,6 +73,9 @@ def test_a_frame_of_both_services_fits_80x24_and_shows_what_matters() -> None:
     assert "ring slots ready 2   writing 1   free 3" in target
     assert "uncommitted batches 15" in target             # 33 delivered, the commit took 30 - 12 of them
     assert "in flight 5" in target and "last commit step 18" in target
+    session_start = target_status()
+    session_start["session"]["last_commit_step"] = -1          # before the trainer's first commit
+    assert "last commit none" in "\n".join(render(session_start, None))
     assert "step 21" in trainer and "samples 164/240" in trainer and "rate 660 tok/s" in trainer
     assert "loss 4.1235" in trainer and "tau 1.87" in trainer and "eval tau 1.75 (step 20)" in trainer
     assert "last checkpoint step-00000018" in trainer
