@@ -54,7 +54,7 @@ def cmd_ctl(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from .ctl import top
-    return top(_config(args), interval=args.interval, iterations=args.iterations)
+    return top(_config(args), interval=args.interval, iterations=args.iterations, once=args.once)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
     p.set_defaults(fn=cmd_top)
 
     p = sub.add_parser("inspect", help="what a checkpoint holds (step, epoch, sample accounting)")

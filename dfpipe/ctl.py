@@ -1,9 +1,14 @@
 """`dfpipe ctl` and `dfpipe top`: talk to running services over their control endpoints."""
 from __future__ import annotations
 
-import sys
+import os
 import time
 from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.text import Text
 
 from common.channel import RequestTimeout, request
 from common.config import Config
@@ -73,23 +78,185 @@ def summary_line(target: dict | None, trainer: dict | None) -> str:
     return f"{t} | {r}"
 
 
-def top(cfg: Config, interval: float = 1.0, iterations: int = 0) -> int:
+# ---- dfpipe top: one panel per service, sized for an 80x24 terminal -----------------------------
+
+TOP_WIDTH, TOP_HEIGHT = 80, 24
+
+
+def _num(value: Any, fmt: str = "{:,.0f}") -> str:
+    """A status number for display; '-' where the service did not report one (or reported junk)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return fmt.format(value)
+
+
+def _duration(seconds: Any) -> str:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _commit_step(step: Any) -> str:
+    # the session reports -1 until the trainer's first checkpoint commits
+    return f"step {step}" if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else "none"
+
+
+def _line(*fields: tuple[str, str]) -> Text:
+    """`label value` pairs on one row; cut with an ellipsis rather than wrapped, so the frame's height is fixed."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for i, (label, value) in enumerate(fields):
+        text.append(("   " if i else "") + label + " ", style="dim")
+        text.append(value, style="bold")
+    return text
+
+
+def ring_slots(rings: Any) -> dict[str, int]:
+    """Slots of every worker's ring by state (target status 'ring': a list of {'slots': {state: n}})."""
+    total = {"READY": 0, "WRITING": 0, "FREE": 0}
+    for ring in rings if isinstance(rings, list) else []:
+        slots = ring.get("slots") if isinstance(ring, dict) else None
+        for state in total:
+            n = slots.get(state) if isinstance(slots, dict) else None
+            total[state] += n if isinstance(n, int) else 0
+    return total
+
+
+def uncommitted_batches(session: Any) -> int | None:
+    """Batches the trainer session holds that no checkpoint has committed yet: a crash now would
+    have the target deliver them again. The session starts holding `have` (its checkpoint's, durable);
+    a commit replaces `committed` with the new checkpoint's set, which contains `have`."""
+    if not isinstance(session, dict):
+        return None
+    delivered, committed, have = (session.get(k) for k in ("delivered", "committed", "have"))
+    if not all(isinstance(n, int) for n in (delivered, committed, have)):
+        return None
+    return max(0, delivered - max(0, committed - have))
+
+
+class TokenRate:
+    """A service's tok/s between two refreshes of the view; its own average until there are two."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}
+
+    def update(self, service: str, tokens: Any, now: float, average: float | None) -> float | None:
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)):
+            self._last.pop(service, None)
+            return average
+        before = self._last.get(service)
+        self._last[service] = (now, float(tokens))
+        if before is None or now <= before[0] or tokens < before[1]:    # first look, or a restarted service
+            return average
+        return (tokens - before[1]) / (now - before[0])
+
+
+def _title(name: str, state: Any, style: str = "bold") -> Text:
+    # a Text, not markup: a state string is the service's, and may hold brackets
+    return Text.assemble(f"{name} ", (str(state), style))
+
+
+def _down(name: str, endpoint: str) -> Panel:
+    return Panel(Text(f"not answering at {endpoint}", style="red", no_wrap=True, overflow="ellipsis"),
+                 title=_title(name, "not answering", "bold red"), title_align="left", border_style="red")
+
+
+def target_panel(status: dict[str, Any] | None, rate: float | None, endpoint: str) -> Panel:
+    if status is None:
+        return _down("target server", endpoint)
+    batches = status.get("batches") if isinstance(status.get("batches"), dict) else {}
+    slots = ring_slots(status.get("ring"))
+    session = status.get("session")
+    rows = [
+        _line(("rate", f"{_num(rate)} tok/s"), ("up", _duration(status.get("uptime_s"))),
+              ("workers", _num(status.get("workers"))), ("consumer epoch", _num(status.get("consumer_epoch")))),
+        _line(("batches produced", _num(batches.get("produced"))), ("acked", _num(batches.get("acked"))),
+              ("pending", _num(status.get("pending"))), ("quarantined", _num(batches.get("quarantined")))),
+        _line(("ring slots ready", _num(slots["READY"])), ("writing", _num(slots["WRITING"])),
+              ("free", _num(slots["FREE"]))),
+    ]
+    if isinstance(session, dict):
+        rows.append(_line(("trainer ranks", _num(len(session.get("ranks") or []))),
+                          ("in flight", _num(session.get("in_flight"))),
+                          ("uncommitted batches", _num(uncommitted_batches(session))),
+                          ("last commit", _commit_step(session.get("last_commit_step")))))
+    else:
+        rows.append(_line(("trainer session", "none")))
+    return Panel(Group(*rows), title=_title("target server", status.get("state", "?")), title_align="left")
+
+
+def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: str) -> Panel:
+    if status is None:
+        return _down("trainer", endpoint)
+    last_eval = status.get("eval") if isinstance(status.get("eval"), dict) else {}
+    checkpoint = status.get("last_checkpoint")
+    failures = status.get("checkpoint_failures")
+    rows = [
+        _line(("step", _num(status.get("step"))), ("epoch", _num(status.get("epoch"))),
+              ("samples", f"{_num(status.get('samples_trained'))}/{_num(status.get('epoch_samples'))}"),
+              ("rate", f"{_num(rate)} tok/s")),
+        _line(("loss", _num(status.get("loss"), "{:.4f}")),
+              ("tau", _num(status.get("implied_acceptance_length"), "{:.2f}")),
+              ("eval tau", f"{_num(last_eval.get('tau'), '{:.2f}')} (step {_num(last_eval.get('step'))})"
+               if last_eval else "-")),
+        _line(("last checkpoint", os.path.basename(str(checkpoint).rstrip("/")) if checkpoint else "none"),
+              ("failed saves", _num(failures)), ("skipped steps", _num(status.get("skipped_steps")))),
+    ]
+    return Panel(Group(*rows), title=_title("trainer", status.get("state", "?")), title_align="left")
+
+
+class TopView:
+    """Polls both services' status and renders one frame: a header, then one panel per service."""
+
+    def __init__(self, target_endpoint: str, trainer_endpoint: str) -> None:
+        self.target_endpoint, self.trainer_endpoint = target_endpoint, trainer_endpoint
+        self.rates = TokenRate()
+
+    def poll(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        return try_status(self.target_endpoint), try_status(self.trainer_endpoint)
+
+    def frame(self, target: dict[str, Any] | None, trainer: dict[str, Any] | None,
+              now: float | None = None) -> Group:
+        now = time.time() if now is None else now
+        target_avg = None
+        if target is not None and isinstance(target.get("tokens"), (int, float)) \
+                and isinstance(target.get("uptime_s"), (int, float)) and target["uptime_s"] > 0:
+            target_avg = target["tokens"] / target["uptime_s"]
+        target_rate = self.rates.update("target", (target or {}).get("tokens"), now, target_avg)
+        trainer_avg = (trainer or {}).get("tokens_per_s")
+        trainer_rate = self.rates.update("trainer", (trainer or {}).get("tokens"), now,
+                                         trainer_avg if isinstance(trainer_avg, (int, float)) else None)
+        header = Text(f"dfpipe top  {time.strftime('%H:%M:%S', time.localtime(now))}   Ctrl-C quits",
+                      style="dim", no_wrap=True, overflow="ellipsis")
+        return Group(header, target_panel(target, target_rate, self.target_endpoint),
+                     trainer_panel(trainer, trainer_rate, self.trainer_endpoint))
+
+
+def top(cfg: Config, interval: float = 1.0, iterations: int = 0, once: bool = False) -> int:
+    """A live view of both services (`once`: print one frame and exit). Stdout not a terminal (a
+    log file, a pipe) and not `once`: one summary line per refresh instead of redrawn frames."""
+    view = TopView(cfg.service.target_endpoint, cfg.service.trainer_endpoint)
+    console = Console()
+    if once:
+        console.print(view.frame(*view.poll()))
+        return 0
     n = 0
     try:
-        while True:
-            target = try_status(cfg.service.target_endpoint)
-            trainer = try_status(cfg.service.trainer_endpoint)
-            stamp = time.strftime("%H:%M:%S")
-            if sys.stdout.isatty():
-                sys.stdout.write("\x1b[2J\x1b[H")
-                print(f"dfpipe top  {stamp}\n")
-                print("== target ==\n" + (render(target) if target else "not answering"))
-                print("\n== trainer ==\n" + (render(trainer) if trainer else "not answering"))
-            else:
-                print(f"{stamp} {summary_line(target, trainer)}", flush=True)
-            n += 1
-            if iterations and n >= iterations:
-                return 0
-            time.sleep(interval)
+        if not console.is_terminal:
+            while True:
+                target, trainer = view.poll()
+                print(f"{time.strftime('%H:%M:%S')} {summary_line(target, trainer)}", flush=True)
+                n += 1
+                if iterations and n >= iterations:
+                    return 0
+                time.sleep(interval)
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                live.update(view.frame(*view.poll()), refresh=True)
+                n += 1
+                if iterations and n >= iterations:
+                    return 0
+                time.sleep(interval)
     except KeyboardInterrupt:
         return 0

@@ -1,6 +1,7 @@
 """Test-wide guards: CPU tests run the real Qwen3.5 torch fallback and never reach the hub."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -16,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Several test processes (xdist workers, spawned services) share 2 cores: one intra-op thread each
 # avoids oversubscription, which makes small torch ops ~100x slower. Children inherit the env.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's structured trace log (for TORCH_TRACE files and tlparse) is always at DEBUG and does not
+# propagate; pytest attaches its log capture to every non-propagating logger, so a failing test
+# that compiled printed ~200 lines of `DEBUG torch.__trace` JSON. Those records are dropped unless
+# a trace was asked for; warnings, errors and the project's own logs are reported as before.
+if "TORCH_TRACE" not in os.environ:
+    logging.getLogger("torch.__trace").addFilter(lambda record: False)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -48,6 +55,23 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from target_server.tiny import build_tiny_target
     root = tmp_path_factory.mktemp("tiny-targets")
     return {arch: build_tiny_target(str(root / arch), arch=arch) for arch in ("qwen3.5", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def cxx_compiler() -> str:
+    """The C++ compiler torch.compile needs on the CPU (inductor builds its CPU kernels as C++;
+    `g++`, or $CXX). Tests that compile on the CPU skip without one; under CI they fail."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        return get_cpp_compiler()
+    except InvalidCxxCompiler:
+        why = (f"torch.compile on the CPU needs a C++ compiler and {os.environ.get('CXX', 'g++')} is not there "
+               "(Debian: apt-get install g++, or set CXX)")
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

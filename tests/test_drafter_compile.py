@@ -18,7 +18,8 @@ from common.config import ConfigError, load_config
 from drafter_trainer.blocks import build_blocks
 from drafter_trainer.loss import _ChunkedLinearCrossEntropy, cross_entropy_fn, dflash_loss, softmax_cross_entropy
 from drafter_trainer.model import DrafterConfigError
-from test_drafter_model import MASK, make_batch, make_model, tiny_config
+from test_drafter_model import MASK, drafter_terms, make_batch, make_model, tiny_config
+from tolerances import assert_close, tol
 
 
 def per_chunk_reference(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, need_grad: bool):
@@ -50,21 +51,29 @@ def chunk_case(rows: int, vocab: int = 300, dtype: torch.dtype = torch.float32, 
     return logits, labels, weights
 
 
-def assert_same_head(got, want, dtype: torch.dtype, exact: bool) -> None:
+def assert_same_head(got, want, logits: torch.Tensor, weights: torch.Tensor, exact: bool) -> None:
+    """Both heads compute in fp32 from the same logits, summing in their own order (tolerances.py)."""
     ce, correct, grad = got
     ce_w, correct_w, grad_w = want
+    rows, vocab = logits.shape
     assert correct.dtype == torch.bool and torch.equal(correct, correct_w)
     assert ce.dtype == torch.float32 and ce.dim() == 0
-    torch.testing.assert_close(ce, ce_w, rtol=1e-6, atol=1e-5)
+    # per row top + log(sum of V exps) - the label's logit: the log turns the sum's relative error
+    # (sqrt(V) ulps) into an absolute one; top - label is off by ulps of the logits' size (they
+    # cancel in rows that hit); the rows' weighted sum (w <= 1) adds those up
+    log_sum, logit = tol(rows * vocab), tol(rows, scale=logits.float().abs().max())
+    torch.testing.assert_close(ce, ce_w, rtol=log_sum["rtol"], atol=log_sum["atol"] + logit["atol"])
     if grad_w is None:
         assert grad is None
         return
-    assert grad.dtype == dtype
+    assert grad.dtype == logits.dtype
     if exact:
         assert torch.equal(grad, grad_w)
-    else:       # a fused exp / sum may differ in the last bit; bf16 then rounds at most one step apart
-        tol = 1e-6 if dtype == torch.float32 else 2 ** -7
-        torch.testing.assert_close(grad.float(), grad_w.float(), rtol=tol, atol=1e-7)
+    else:
+        # w * (p - onehot): p is one exp over the V-term sum; p - 1 cancels where p is near 1, so the
+        # error is relative to w (p <= 1), not to the result; bf16 then rounds at most one step apart
+        torch.testing.assert_close(grad.float(), grad_w.float(),
+                                   **tol(vocab, scale=weights.max(), rounded_to=logits.dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,12 +82,13 @@ def test_fused_cross_entropy_equals_the_per_chunk_math_it_replaced(dtype, need_g
     logits, labels, weights = chunk_case(7, dtype=dtype)
     want = per_chunk_reference(logits, labels, weights, need_grad)
     got = softmax_cross_entropy(logits.clone(), labels, weights, need_grad)
-    assert_same_head(got, want, dtype, exact=True)
+    assert_same_head(got, want, logits, weights, exact=True)
     assert int(got[1].sum()) >= 4                                   # the planted hits are counted
     if need_grad:
         assert not got[2][2].any() and got[2][0].any()              # weight 0: no gradient
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtype):
     fused = cross_entropy_fn(compiled=True)
@@ -88,11 +98,14 @@ def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtyp
         buffer = logits.clone()
         got = fused(buffer, labels, weights, True)
         assert got[2].data_ptr() == buffer.data_ptr(), "the gradient is written over the logits"
-        assert_same_head(got, want, dtype, exact=False)
+        assert_same_head(got, want, logits, weights, exact=False)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled):
+def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled,
+                                                                                request: pytest.FixtureRequest):
+    if compiled:
+        request.getfixturevalue("cxx_compiler")
     g = torch.Generator().manual_seed(3)
     rows, hidden_size, vocab = 11, 16, 300
     hidden = torch.randn(rows, hidden_size, generator=g, requires_grad=True)
@@ -106,13 +119,18 @@ def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(c
     (want_grad,) = torch.autograd.grad(want, hidden)
     ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, head, labels, weights, 4, True, compiled)
     (got_grad,) = torch.autograd.grad(ce_sum * 2.0, hidden)
-    torch.testing.assert_close(ce_sum, want.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_grad, 2.0 * want_grad, rtol=1e-5, atol=1e-5)
+    # the logits sum hidden_size terms, the loss a softmax over the vocabulary per row, then the rows;
+    # the hidden gradient sums (p - onehot) * W over the vocabulary after the same forward
+    logits = (hidden @ head.t()).detach()
+    torch.testing.assert_close(ce_sum, want.detach(),
+                               **tol(rows * (hidden_size + vocab), scale=logits.abs().max()))
+    assert_close(got_grad, 2.0 * want_grad, n=2 * hidden_size + vocab)
     assert torch.equal(correct, (hidden @ head.t()).argmax(-1) == labels)
 
 
 # split: the attention runs eager between two graphs (traced into one, it got wrong gradients);
 # one layer is enough there. flex has no CPU backward (see below).
+@pytest.mark.usefixtures("cxx_compiler")
 @pytest.mark.parametrize("impl, layers", [("sdpa", 2), ("split", 1)])
 def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
     cfg = tiny_config(num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"][-layers:],
@@ -133,15 +151,17 @@ def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
             hidden = model(batch.hidden, blocks.block_input_ids, blocks).detach()   # the same graph again
             results.append((hidden, out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
         (h_e, out_e, grads_e), (h_c, out_c, grads_c) = results
-        assert (h_c - h_e).abs().max() < 1e-5
-        assert abs(out_c.loss.item() - out_e.loss.item()) < 1e-5
+        rows = blocks.labels.numel()
+        assert_close(h_c, h_e, n=drafter_terms(cfg, sum(docs)))
+        assert_close(out_c.loss, out_e.loss, n=drafter_terms(cfg, sum(docs), rows))
         assert torch.equal(out_c.correct_per_pos, out_e.correct_per_pos)
         assert set(grads_c) == set(params)
         for name, grad in grads_e.items():
-            torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+            assert_close(grads_c[name], grad, n=drafter_terms(cfg, sum(docs), rows, backward=True), msg=name)
     assert not compiled.compile_for("cpu", "off") and compiled.layers[0]._compiled_call_impl is None
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_compiled_norm_rounds_to_bf16_where_eager_does():
     # RMSNorm casts the normalised bf16 input back to bf16 before the fp32 gain (an fp32 result
     # under autocast); a fused kernel must not skip that rounding
@@ -176,7 +196,7 @@ def test_flex_attention_inside_a_compiled_layer_traces_once_for_every_context_le
             warnings.simplefilter("ignore")
             want = eager(batch.hidden, blocks.block_input_ids, blocks)
             got = compiled(batch.hidden, blocks.block_input_ids, blocks)
-        assert (got - want).abs().max() < 1e-5
+        assert_close(got, want, n=drafter_terms(cfg, sum(docs)))
     # one graph: both layers (same code, same mask rule) and both batches, flex inside it
     assert len(graphs) == 1, [g.code for g in graphs]
     assert any("flex_attention" in str(node.target) for node in graphs[0].graph.nodes)
@@ -203,7 +223,7 @@ def test_cuda_compiled_loss_head_equals_the_per_chunk_math_on_bf16_logits():
     for rows in (64, 37):
         logits, labels, weights = (t.cuda() for t in chunk_case(rows, vocab=50_000, dtype=torch.bfloat16, seed=rows))
         want = per_chunk_reference(logits, labels, weights, True)
-        assert_same_head(fused(logits.clone(), labels, weights, True), want, torch.bfloat16, exact=False)
+        assert_same_head(fused(logits.clone(), labels, weights, True), want, logits, weights, exact=False)
 
 
 @pytest.mark.gpu
@@ -327,6 +347,7 @@ def test_shadow_shares_the_weights_but_not_their_gradients_or_versions():
     assert torch.equal(shadow.fc.weight, model.fc.weight), "one memory: the update shows in the shadow"
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_compiled():
     from torch._dynamo.utils import counters
 
@@ -358,8 +379,10 @@ def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_co
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
         got, want = _step(model, torch.device("cpu"), docs, False), _step(reference, torch.device("cpu"), docs, False)
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(model.fc.weight.grad, reference.fc.weight.grad, rtol=1e-4, atol=1e-6)
+        rows = 6 * model.config.block_size        # _step's anchors
+        assert_close(got.loss, want.loss, n=drafter_terms(model.config, sum(docs), rows))
+        assert_close(model.fc.weight.grad, reference.fc.weight.grad,
+                     n=drafter_terms(model.config, sum(docs), rows, backward=True))
     # the held-out eval (Trainer.evaluate): eval mode, no gradient
     model.eval()
     with torch.no_grad():

@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,6 +120,7 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
         target.stop()
 
 
+@pytest.mark.usefixtures("cxx_compiler")
 def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing_a_sample(tmp_path: Path) -> None:
     # drafter.compile on the CPU: inductor's C++ backend, seconds for the tiny drafter, from an
     # empty cache so that the compile outlasts the first steps
@@ -188,6 +190,17 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
         assert len(ev["acceptance_per_position"]) == cfg["drafter"]["block_size"] - 1
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "dfpipe_trainer_eval_tau " in body and "dfpipe_trainer_eval_loss " in body
+        # `dfpipe top` against both live services (the trainer paused, so that it cannot finish
+        # first): one frame in 80x24 with both panels and the trainer's eval tau
+        assert ctl(cfg["service"]["trainer_endpoint"], "pause") == {"accepted": "pause"}
+        top = subprocess.run([sys.executable, "-m", "dfpipe", "top", "-c", str(config), "--once"], capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "COLUMNS": "80", "LINES": "24"})
+        assert ctl(cfg["service"]["trainer_endpoint"], "resume") == {"accepted": "resume"}
+        lines = top.stdout.rstrip("\n").split("\n")
+        assert top.returncode == 0 and len(lines) <= 24 and max(map(len, lines)) <= 80, top.stdout + top.stderr
+        assert "target server serving" in top.stdout and "trainer " in top.stdout, top.stdout
+        assert re.search(r"eval tau \d+\.\d\d \(step \d+\)", top.stdout), top.stdout   # later evals may have come
+        assert "not answering" not in top.stdout, top.stdout
         assert trainer.wait(300) == 0, trainer.log()
 
         info = assert_exactly_once(config)   # held-out batches are never trained on nor counted

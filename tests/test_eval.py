@@ -23,6 +23,8 @@ from drafter_trainer.export import export_drafter
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 from common.batch import PackedBatch
 from target_server.tiny import build_tiny_target
+from test_drafter_model import drafter_terms
+from tolerances import assert_close
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo",
                              "tokenizer")
@@ -153,7 +155,7 @@ def test_decode_block_sees_what_a_training_block_sees(target: ev.TargetModel, dr
         training_tokens = drafter.compute_logits(training).argmax(-1).tolist()
         decode = ev.single_block(anchor, ids[anchor], BLOCK, MASK_ID, torch.device("cpu"))
         decoded = drafter(features[:, :anchor].float(), decode.block_input_ids, decode)[0, 1:]
-    torch.testing.assert_close(decoded, training, rtol=1e-5, atol=1e-5)
+    assert_close(decoded, training, n=drafter_terms(drafter.config, len(ids)))
     assert ev.draft_block(drafter, features[:, :anchor].float(), ids[anchor]) == training_tokens
 
 

@@ -21,6 +21,7 @@ from common.config import default_layer_ids
 from target_server import tiny
 from target_server.target import TargetRunner
 from target_server.tiny import build_tiny_target, resolve_target
+from tolerances import assert_close, target_terms
 
 ARCHS = ("qwen3.5", "qwen3")
 
@@ -49,11 +50,11 @@ def test_layer_id_l_is_the_output_of_decoder_layer_l(arch: str, tiny_dirs: dict[
     with torch.no_grad():
         hs = ref(input_ids=ids[None], use_cache=False, output_hidden_states=True).hidden_states
     for plane, layer in enumerate(runner.layer_ids):
-        torch.testing.assert_close(captured[plane], hs[layer + 1][0], atol=1e-5, rtol=1e-5)
+        assert_close(captured[plane], hs[layer + 1][0], n=target_terms(runner, ids.numel()))
         # an off-by-one in either direction is far outside the tolerance
         for wrong in (layer, layer + 2):
             assert (captured[plane] - hs[wrong][0]).abs().max() > 1e-2
-    torch.testing.assert_close(runner.capture_unpacked(ids), captured, atol=1e-5, rtol=1e-5)
+    assert_close(runner.capture_unpacked(ids), captured, n=target_terms(runner, ids.numel()))
 
 
 def test_forward_stops_after_the_deepest_captured_layer(tiny_dirs: dict[str, str]) -> None:

@@ -280,8 +280,14 @@ def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) ->
     silent = run("ctl", "trainer", "status", "-c", str(config), "--timeout", "1")
     assert silent.returncode != 0 and "did not answer within 1s" in silent.stderr
     assert time.monotonic() - t0 < 30
-    top = run("top", "-c", str(config), "--iterations", "1")
+    top = run("top", "-c", str(config), "--iterations", "1")    # not a terminal: one summary line a refresh
     assert top.returncode == 0 and "target[serving]" in top.stdout and "trainer: not answering" in top.stdout
+    frame = subprocess.run([sys.executable, "-m", "dfpipe", "top", "-c", str(config), "--once"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "COLUMNS": "80", "LINES": "24"})
+    lines = frame.stdout.rstrip("\n").split("\n")
+    assert frame.returncode == 0 and len(lines) <= 24 and max(map(len, lines)) <= 80, frame.stdout + frame.stderr
+    assert "target server serving" in frame.stdout and "ring slots ready" in frame.stdout
+    assert "trainer not answering" in frame.stdout
 
 
 def _free_port() -> int:

@@ -1,0 +1,128 @@
+"""`dfpipe top`: one frame fits an 80x24 terminal and shows what a user watches, whatever answers.
+
+The status dicts have the shape of TargetServer.status() (target_server/server.py) and
+Trainer.status() (drafter_trainer/train.py) mid-run, values included; the end-to-end tests run
+`dfpipe top --once` against the real services too (test_target_server, test_e2e_trainer).
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from dfpipe.ctl import TOP_HEIGHT, TOP_WIDTH, TopView, TokenRate, uncommitted_batches
+
+TARGET_EP, TRAINER_EP = "ipc:///tmp/dfpt/target.sock", "ipc:///tmp/dfpt/trainer.sock"
+
+
+def target_status() -> dict:
+    stages = {"forward": {"seconds": 12.5, "count": 40, "mean_ms": 312.5}}
+    return {
+        "pid": 4242, "state": "serving", "uptime_s": 125.0, "model_loads": 1, "workers": 2,
+        "ring": [{"worker": 0, "device": "cpu", "state": "serving", "path": "/dev/shm/dfpt-a-0",
+                  "slots": {"FREE": 1, "WRITING": 1, "READY": 1}},
+                 {"worker": 1, "device": "cpu", "state": "serving", "path": "/dev/shm/dfpt-a-1",
+                  "slots": {"FREE": 2, "WRITING": 0, "READY": 1}}],
+        "consumer_epoch": 3,
+        "batches": {"produced": 57, "acked": 41, "redelivered": 2, "recomputed": 1, "quarantined": 0, "discarded": 0},
+        "tokens": 25_000, "epoch_sizes": [60], "pending": 9, "computing": 2,
+        "heldout": {"batches": 4, "produced": 4, "announced": 4, "acked": 2, "discarded": 0, "quarantined": 0,
+                    "pending": 0},
+        "session": {"job": "run-1", "ranks": [0, 1], "epochs": 1, "have": 12, "delivered": 33, "committed": 30,
+                    "last_commit_step": 18, "in_flight": 5, "heldout_acked": 2},
+        "sessions": 2, "fenced": 1, "bad_messages": 0, "stages": stages,
+    }
+
+
+def trainer_status() -> dict:
+    return {
+        "pid": 4343, "state": "training", "step": 21, "epoch": 0, "samples_trained": 164,
+        "samples_duplicated": 0, "epoch_samples": 240, "last_checkpoint": "/runs/demo/run/step-00000018",
+        "loss": 4.123456, "batches_trained": 41, "batches_planned": 60, "skipped_steps": 0,
+        "checkpoint_failures": 0, "last_checkpoint_error": "", "metrics_lines_lost": 0, "tokens": 19_800,
+        "tokens_per_s": 660.0, "implied_acceptance_length": 1.8731, "acceptance_per_position": [0.61, 0.22, 0.05],
+        "feed": {"state": "streaming", "batches": 41}, "world": 2,
+        "stages": {"step": {"seconds": 20.0, "count": 21, "mean_ms": 952.4}},
+        "startup": {"first_step_s": 9.5, "model_s": 1.2},
+        "eval": {"step": 20, "tau": 1.7512, "acceptance_per_position": [0.55, 0.2, 0.04], "loss": 4.5, "batches": 2},
+        "compile": {"state": "off"},
+    }
+
+
+def render(target: dict | None, trainer: dict | None, view: TopView | None = None, now: float = 1000.0) -> list[str]:
+    """One frame as an 80-column terminal shows it, line by line."""
+    view = view or TopView(TARGET_EP, TRAINER_EP)
+    console = Console(file=io.StringIO(), width=TOP_WIDTH, height=TOP_HEIGHT, color_system=None)
+    console.print(view.frame(target, trainer, now=now))
+    return console.file.getvalue().rstrip("\n").split("\n")
+
+
+def fits(lines: list[str]) -> None:
+    assert len(lines) <= TOP_HEIGHT, "\n".join(lines)
+    assert all(len(line) <= TOP_WIDTH for line in lines), "\n".join(lines)
+
+
+def test_a_frame_of_both_services_fits_80x24_and_shows_what_matters() -> None:
+    lines = render(target_status(), trainer_status())
+    fits(lines)
+    text = "\n".join(lines)
+    target, trainer = text.split("trainer training")   # the trainer's panel title, below the target's
+    assert "target server serving" in target
+    assert "rate 200 tok/s" in target                     # 25,000 tokens over 125 s, the first frame
+    assert "ring slots ready 2   writing 1   free 3" in target
+    assert "uncommitted batches 15" in target             # 33 delivered, the commit took 30 - 12 of them
+    assert "in flight 5" in target and "last commit step 18" in target
+    session_start = target_status()
+    session_start["session"]["last_commit_step"] = -1          # before the trainer's first commit
+    assert "last commit none" in "\n".join(render(session_start, None))
+    assert "step 21" in trainer and "samples 164/240" in trainer and "rate 660 tok/s" in trainer
+    assert "loss 4.1235" in trainer and "tau 1.87" in trainer and "eval tau 1.75 (step 20)" in trainer
+    assert "last checkpoint step-00000018" in trainer
+
+
+def test_rates_are_measured_between_two_refreshes() -> None:
+    view = TopView(TARGET_EP, TRAINER_EP)
+    render(target_status(), trainer_status(), view, now=1000.0)
+    target, trainer = target_status(), trainer_status()
+    target["tokens"] += 3_000
+    trainer["tokens"] += 1_000
+    text = "\n".join(render(target, trainer, view, now=1002.0))
+    assert "rate 1,500 tok/s" in text and "rate 500 tok/s" in text
+    rate = TokenRate()
+    assert rate.update("target", 100, 1.0, 7.0) == 7.0                 # first look: the service's average
+    assert rate.update("target", 50, 2.0, 3.0) == 3.0                  # fewer tokens: it restarted
+
+
+def test_with_both_services_down_the_frame_says_so_and_the_view_keeps_going() -> None:
+    view = TopView(TARGET_EP, TRAINER_EP)
+    lines = render(None, None, view)
+    fits(lines)
+    text = "\n".join(lines)
+    assert "target server not answering" in text and "trainer not answering" in text
+    assert TARGET_EP in text and TRAINER_EP in text
+    # a service coming back is shown on the next refresh
+    assert "target server serving" in "\n".join(render(target_status(), None, view, now=1001.0))
+
+
+def test_a_status_with_missing_or_odd_fields_renders_dashes_not_a_crash() -> None:
+    odd_target = {"state": "warming", "ring": "not a list", "batches": None, "session": {"delivered": "x"}}
+    odd_trainer = {"state": "waiting_for_target", "loss": None, "eval": None, "step": True}
+    lines = render(odd_target, odd_trainer)
+    fits(lines)
+    text = "\n".join(lines)
+    assert "target server warming" in text and "trainer waiting_for_target" in text
+    assert "loss -" in text and "uncommitted batches -" in text and "last checkpoint none" in text
+    state = {"state": "[bold]odd[/]"}      # a state string is shown as it is, not read as markup
+    assert "target server [bold]odd[/]" in "\n".join(render(state, None))
+
+
+@pytest.mark.parametrize("session, uncommitted", [
+    ({"have": 0, "delivered": 7, "committed": 0}, 7),           # nothing committed yet
+    ({"have": 12, "delivered": 7, "committed": 0}, 7),          # a resumed session: its `have` is durable
+    ({"have": 12, "delivered": 7, "committed": 19}, 0),         # all committed
+    (None, None),
+])
+def test_uncommitted_batches_are_the_delivered_ones_no_commit_holds(session: dict | None,
+                                                                    uncommitted: int | None) -> None:
+    assert uncommitted_batches(session) == uncommitted

@@ -1,0 +1,80 @@
+"""How close two float computations of the same value must be: from the dtype and the reduction length.
+
+A fixed `atol=1e-7` is below one fp32 ulp of 1.0 (eps = 1.19e-7): two correct implementations
+that sum in a different order (fused against eager, compiled against not, packed against one
+document at a time) fail it on some machines and pass it on others, depending on the vector
+width the CPU kernels pick. What the math gives instead:
+
+- A value formed by summing n rounded terms carries an error of at most (n-1)·u times the sum
+  of the terms' magnitudes (u = eps/2, the unit roundoff). That worst case needs every rounding
+  to go the same way; under the probabilistic model (independent, mean-zero rounding errors:
+  Higham & Mary, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci.
+  Comput. 41(5), 2019) the error is λ·sqrt(n)·u with a small λ.
+- Two computations in different orders each carry such an error, so they differ by up to
+  2·λ·sqrt(n)·u = λ·sqrt(n)·eps. With λ = C = 2 that is `rtol` below; n = 1 still allows the
+  couple of ulps an exp, log or division rounds to.
+- The error is relative to the magnitude of the summed terms, not of the result: where the
+  result cancels to near zero (p - 1 for a softmax probability near 1; a residual stream
+  entry), the absolute error stays at eps·sqrt(n) times the operands' size. So `atol` is the
+  same bound times `scale`, the magnitude of the compared values (their largest, by default).
+- A result stored in a narrower dtype than it was computed in (bf16 from fp32) may land one
+  rounding step apart on either side of a rounding boundary: one eps of the narrow dtype,
+  relative, on top.
+
+For a deep computation n is the number of terms summed along one output value's path (every
+reduction it passes through: a transformer layer's norms, projections, attention and MLP), so
+independent errors of successive reductions add as sqrt(sum n_i). Each call site says which n.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+C = 2.0     # λ above: the spread of the accumulated rounding error, in units of its standard deviation
+
+
+def eps(dtype: torch.dtype) -> float:
+    """The distance from 1.0 to the next representable number of `dtype`."""
+    return torch.finfo(dtype).eps
+
+
+def tol(n: int, dtype: torch.dtype = torch.float32, *, scale: float | torch.Tensor = 1.0,
+        rounded_to: torch.dtype | None = None) -> dict[str, float]:
+    """rtol and atol (for torch.testing.assert_close) between two orders of an n-term reduction in `dtype`.
+
+    scale: the magnitude of the values compared (atol = the relative bound times it); rounded_to:
+    the narrower dtype the results were stored in after computing in `dtype`.
+    """
+    if n < 1:
+        raise ValueError(f"a reduction has at least 1 term, got n={n}")
+    bound = C * eps(dtype) * math.sqrt(n)
+    rtol = bound + (eps(rounded_to) if rounded_to is not None and eps(rounded_to) > eps(dtype) else 0.0)
+    return {"rtol": rtol, "atol": bound * float(scale)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, n: int, dtype: torch.dtype = torch.float32, *,
+                 rounded_to: torch.dtype | None = None, msg: str | None = None) -> None:
+    """torch.testing.assert_close at `tol(n, dtype)`, atol scaled by the expected values' largest magnitude."""
+    expected = torch.as_tensor(expected)
+    scale = expected.detach().abs().max().float().item() if expected.numel() else 0.0
+    torch.testing.assert_close(torch.as_tensor(actual), expected, msg=msg,
+                               **tol(n, dtype, scale=scale, rounded_to=rounded_to))
+
+
+def transformer_terms(layers: int, hidden: int, intermediate: int, context: int, projected_in: int = 0) -> int:
+    """About how many terms one output value's path sums through `layers` pre-norm transformer layers.
+
+    Per layer: two RMSNorms (hidden each), the q/k/v and output projections (hidden each), the
+    attention scores and weighted sum over `context` positions (or a linear-attention layer's
+    recurrence over as many steps), the MLP (hidden, then intermediate); plus an input
+    projection of `projected_in` terms (the drafter's fc) and the final norm.
+    """
+    return projected_in + layers * (6 * hidden + context + intermediate) + hidden
+
+
+def target_terms(runner: object, context: int) -> int:
+    """`transformer_terms` for a TargetRunner's captures: through its deepest captured layer, over
+    `context` tokens (a Gated DeltaNet layer's recurrence runs over as many steps as attention's keys)."""
+    text = runner.model.config
+    return transformer_terms(max(runner.layer_ids) + 1, runner.hidden_size, int(text.intermediate_size), context)
