@@ -4,7 +4,8 @@ Input: one conversation per JSONL line or Parquet row, in one of two formats, de
 (the first row holding either key decides) or named (`format=`):
 
     openai    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...],
-               "tools": [...]?}   an assistant message may carry "reasoning_content" (or "reasoning")
+               "tools": [...]?}   "content" a string (or a list of {"type": "text", "text"} parts);
+                                  an assistant message may carry "reasoning_content" (or "reasoning")
                                   and "tool_calls" (then "content" may be null); a tool message
                                   "tool_call_id" / "name". The template renders them all.
     sharegpt  {"conversations": [{"from": "human"|"gpt"|"system"|"tool", "value": "..."}, ...],
@@ -188,7 +189,17 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any, str]]:
     for batch in parquet.iter_batches(batch_size=1024):
         for row in batch.to_pylist():
             number += 1
-            yield number, row, ""
+            yield number, _drop_nulls(row), ""
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Parquet stores a list of objects as structs with the union of their fields, so a field one
+    object lacks reads as null: drop null fields (a tool schema must render as it was written)."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
 
 
 def _source_rows(path: str) -> Iterator[tuple[int, Any, str]]:
@@ -241,6 +252,9 @@ def _openai_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
             return None, reason
         out["tool_calls"] = m["tool_calls"]
         content = "" if content is None else content  # OpenAI: content is null beside tool calls
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI content parts, text only
     if not isinstance(content, str):
         return None, f"invalid content: message {i} content is {type(content).__name__}, not a string"
     out["content"] = content

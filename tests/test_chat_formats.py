@@ -220,12 +220,17 @@ def test_sharegpt_jsonl_and_parquet_give_the_same_documents_as_openai_jsonl(tmp_
 def test_parquet_keeps_reasoning_and_tool_calls(tmp_path, qwen_tokenizer):
     """Parquet stores messages as structs: a field one message lacks is null there, and must read as absent."""
     folder, _ = qwen_tokenizer
-    rows = [{"messages": AGENT, "tools": TOOLS}, {"messages": PLAIN[0], "tools": None}]
+    clock = {"type": "function", "function": {"name": "clock", "description": "Time in a zone",
+                                              "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+    ask_clock = [{"role": "user", "content": "Time in Tokyo?"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [{"type": "function", "function": {"name": "clock", "arguments": '{"zone": "JST"}'}}]}]
+    rows = [{"messages": AGENT, "tools": TOOLS}, {"messages": PLAIN[0]}, {"messages": ask_clock, "tools": [clock]}]
     jsonl, parquet = _write_jsonl(tmp_path / "a.jsonl", rows), _write_parquet(tmp_path / "a.parquet", rows)
     prepare_data(jsonl, folder, str(tmp_path / "j"), max_len=4096, chat_template=QWEN35_STYLE)
     prepare_data(parquet, folder, str(tmp_path / "q"), max_len=4096, chat_template=QWEN35_STYLE)
     assert _documents(tmp_path / "j") == _documents(tmp_path / "q")
-    assert [sid for _, _, sid in _documents(tmp_path / "q")] == [0, 0, 1]
+    assert [sid for _, _, sid in _documents(tmp_path / "q")] == [0, 0, 1, 2]
 
 
 def test_sharegpt_top_level_system_and_role_names(tmp_path, qwen_tokenizer):
@@ -279,6 +284,18 @@ def test_bad_rows_of_the_richer_formats_are_counted_with_their_reason(tmp_path, 
     report = prepare_data(_write_jsonl(tmp_path / "r.jsonl", [good, row, good]), DEMO_TOKENIZER,
                           str(tmp_path / "p"), max_len=512)
     assert report.kept == 2 and [(line, reason.split(":")[0]) for line, reason in report.bad] == [(2, kind)]
+
+
+def test_openai_text_content_parts_read_as_their_text(tmp_path):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Count "}, {"type": "text", "text": "to 3."}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "1, 2, 3."}]}]}
+    text = {"messages": [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    report = prepare_data(_write_jsonl(tmp_path / "r.jsonl", [parts, text, image]), DEMO_TOKENIZER,
+                          str(tmp_path / "p"), max_len=512)
+    a, b = _documents(tmp_path / "p")
+    assert a[:2] == b[:2] and [(line, r.split(":")[0]) for line, r in report.bad] == [(3, "invalid content")]
 
 
 def test_tool_calls_with_dict_arguments_and_a_null_content_render(tmp_path, qwen_tokenizer):
