@@ -18,7 +18,7 @@ itself, so any template works, with or without `{% generation %}` markers. For a
     turn_k   = render(messages[:k+1])                             must begin with prompt_k
     generated text of turn k = turn_k[len(prompt_k):], less the whitespace after its final special token
 
-so the template's assistant header (`<|im_start|>assistant\n`, and an empty `<think>\n\n</think>\n\n`
+so the template's assistant header (`<|im_start|>assistant\\n`, and an empty `<think>\\n\\n</think>\\n\\n`
 where the generation prompt holds it, as with enable_thinking=false) is context, while the reasoning
 block, the content, the tool calls and the end-of-turn token (`<|im_end|>`: the drafter learns
 where a turn stops) are generated; the newline the template writes after `<|im_end|>` is context.
@@ -207,7 +207,7 @@ def _source_rows(path: str) -> Iterator[tuple[int, Any, str]]:
 
 
 def _row_format(row: dict[str, Any]) -> str | None:
-    """The format whose key the row holds (a Parquet row holds every column: a null one does not count)."""
+    """The format whose key the row holds (a null value does not count)."""
     return next((fmt for fmt, key in ROW_FORMATS.items() if row.get(key) is not None), None)
 
 
@@ -235,7 +235,7 @@ def _tool_calls(calls: Any, i: int) -> str:
 
 
 def _openai_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
-    """One OpenAI message -> the fields a chat template reads (nulls dropped: Parquet fills absent ones)."""
+    """One OpenAI message -> the fields a chat template reads (a null field counts as absent)."""
     if not isinstance(m, dict):
         return None, f"invalid message: message {i} is a {type(m).__name__}, not an object"
     role, content = m.get("role"), m.get("content")
@@ -302,15 +302,18 @@ def _parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None) -> tu
         return None, f"invalid {key!r}: empty list"
     convert = _openai_message if fmt == "openai" else _sharegpt_message
     messages: list[dict[str, Any]] = []
-    if fmt == "sharegpt" and isinstance(row.get("system"), str) and row["system"]:
-        messages.append({"role": "system", "content": row["system"]})
+    system = row.get("system") if fmt == "sharegpt" else None
+    if system is not None and not isinstance(system, str):
+        return None, f"invalid system: expected a string, got {type(system).__name__}"
+    if system:  # ShareGPT files (LLaMA-Factory) may keep the system prompt beside the turns
+        messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
         message, reason = convert(turn, i)
         if message is None:
             return None, reason
         messages.append(message)
     tools = row.get("tools")
-    if isinstance(tools, str):  # ShareGPT files (LLaMA-Factory) keep the tool schemas as a JSON string
+    if isinstance(tools, str):  # some files (LLaMA-Factory's ShareGPT) keep the tool schemas as a JSON string
         try:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:

@@ -240,11 +240,14 @@ def test_sharegpt_top_level_system_and_role_names(tmp_path, qwen_tokenizer):
     explicit = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "Count to 3."},
                                   {"from": "assistant", "value": "1, 2, 3."}]}
     odd = {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{}"}]}
-    src = _write_jsonl(tmp_path / "s.jsonl", [llama_factory, explicit, odd])
+    bad_system = {"system": ["Be brief."], "conversations": explicit["conversations"][1:]}
+    src = _write_jsonl(tmp_path / "s.jsonl", [llama_factory, explicit, odd, bad_system])
     report = prepare_data(src, folder, str(tmp_path / "p"), max_len=512, chat_template=QWEN35_STYLE)
     a, b = _documents(tmp_path / "p")
     assert a[:2] == b[:2] and report.kept == 2
-    assert report.bad == [(3, report.bad[0][1])] and report.bad[0][1].startswith("invalid role: turn 1 from 'function_call'")
+    assert [line for line, _ in report.bad] == [3, 4]
+    assert report.bad[0][1].startswith("invalid role: turn 1 from 'function_call'")
+    assert report.bad[1][1].startswith("invalid system")
 
 
 def test_format_is_detected_from_the_first_row_holding_a_key_and_holds_for_the_file(tmp_path):
