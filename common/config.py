@@ -41,9 +41,9 @@ class DataConfig:
     token_budget: int = 4096            # tokens per packed batch (one fixed shape)
     max_len: int = 3072                 # longest sample kept as one document
     overlong: str = "truncate"          # truncate | split | skip
-    format: str = "auto"                # chat rows: auto (detected per file) | openai (messages) | sharegpt (conversations)
+    format: str = "auto"                # chat rows: auto (per file) | openai (messages) | sharegpt (conversations)
     chat_template: str = ""             # Jinja file or inline text rendering the rows; "": the tokenizer's own
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables, e.g. enable_thinking: false
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: enable_thinking: false
 
 
 @dataclass

@@ -789,9 +789,9 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     tokenizer_dir = _tokenizer_for(cfg, source)
     template = template_setting(cfg)
     template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir),
-                                     d.max_len, d.overlong, d.format, hashlib.sha256(template_text.encode()).hexdigest(),
-                                     d.chat_template_kwargs], sort_keys=True).encode()).hexdigest()[:16]
+    inputs = [FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
+              hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs]
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]
     out_dir = os.path.join(cfg.resolve(cfg.target.cache_dir), "data", f"{name}-{key}")
     if os.path.isfile(os.path.join(out_dir, "meta.json")):
@@ -862,7 +862,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Tokenize a chat file (JSONL or Parquet) into a prepared dataset folder.")
+    parser = argparse.ArgumentParser(description="Tokenize a chat file (JSONL or Parquet) into a prepared folder.")
     add_arguments(parser)
     parser.add_argument("-c", "--config", default="", help="YAML config whose data section gives the defaults")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

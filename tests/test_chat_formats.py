@@ -220,8 +220,8 @@ def test_sharegpt_jsonl_and_parquet_give_the_same_documents_as_openai_jsonl(tmp_
 def test_parquet_keeps_reasoning_and_tool_calls(tmp_path, qwen_tokenizer):
     """Parquet stores messages as structs: a field one message lacks is null there, and must read as absent."""
     folder, _ = qwen_tokenizer
-    clock = {"type": "function", "function": {"name": "clock", "description": "Time in a zone",
-                                              "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+    zone = {"type": "object", "properties": {"zone": {"type": "string"}}}
+    clock = {"type": "function", "function": {"name": "clock", "description": "Time in a zone", "parameters": zone}}
     ask_clock = [{"role": "user", "content": "Time in Tokyo?"},
                  {"role": "assistant", "content": None,
                   "tool_calls": [{"type": "function", "function": {"name": "clock", "arguments": '{"zone": "JST"}'}}]}]
@@ -290,7 +290,8 @@ def test_bad_rows_of_the_richer_formats_are_counted_with_their_reason(tmp_path, 
 
 
 def test_openai_text_content_parts_read_as_their_text(tmp_path):
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Count "}, {"type": "text", "text": "to 3."}]},
+    count = [{"type": "text", "text": "Count "}, {"type": "text", "text": "to 3."}]
+    parts = {"messages": [{"role": "user", "content": count},
                           {"role": "assistant", "content": [{"type": "text", "text": "1, 2, 3."}]}]}
     text = {"messages": [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]}
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
@@ -390,7 +391,8 @@ def test_config_validates_the_data_template_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  chat_template: t.jinja\n  chat_template_kwargs:\n    enable_thinking: false\n")
     cfg = load_config(str(path))
-    assert cfg.data.chat_template_kwargs == {"enable_thinking": False} and cfg.hash("data") != load_config(None).hash("data")
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.hash("data") != load_config(None).hash("data")
 
 
 def test_ensure_prepared_uses_and_records_the_config_template_and_kwargs(tmp_path, qwen_tokenizer):
@@ -423,7 +425,8 @@ def test_ensure_prepared_uses_and_records_the_config_template_and_kwargs(tmp_pat
     edited = ensure_prepared(load_config(str(config)))
     assert edited.path not in (first.path, thinking.path) and edited.meta["chat_template"] == template.read_text()
     inline = ensure_prepared(load_config(str(config), [f"data.chat_template={json.dumps(CHAT_TEMPLATE)}"]))
-    assert inline.meta["chat_template"] == CHAT_TEMPLATE and inline.meta["chat_template_kwargs"] == {"enable_thinking": False}
+    assert inline.meta["chat_template"] == CHAT_TEMPLATE
+    assert inline.meta["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_ensure_prepared_raises_on_a_file_without_usable_rows(tmp_path):
