@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
+from target_server.data import add_arguments as add_prepare_arguments
 
 DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
 
@@ -154,7 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare-data", help="tokenize a chat file (JSONL or Parquet; OpenAI or ShareGPT rows) "
                                             "into a prepared folder (bad rows counted and reported)")
-    from target_server.data import add_arguments as add_prepare_arguments
     add_prepare_arguments(p)
     _add_config(p)
     p.set_defaults(fn=cmd_prepare_data)
