@@ -41,6 +41,9 @@ class DataConfig:
     token_budget: int = 4096            # tokens per packed batch (one fixed shape)
     max_len: int = 3072                 # longest sample kept as one document
     overlong: str = "truncate"          # truncate | split | skip
+    format: str = "auto"                # chat rows: auto (per file) | openai (messages) | sharegpt (conversations)
+    chat_template: str = ""             # Jinja file or inline text rendering the rows; "": the tokenizer's own
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: enable_thinking: false
 
 
 @dataclass
@@ -148,8 +151,29 @@ class Config:
         return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.source)), path))
 
 
+def _check_json(value: Any, key: str) -> None:
+    """A value that JSON carries unchanged (it is hashed and recorded); YAML can also give dates, sets..."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{key}: keys must be strings, got {k!r}")
+            _check_json(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{key}[{i}]")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ConfigError(f"{key}: expected a string, number, boolean, list or mapping, got {type(value).__name__}")
+
+
 def _check_type(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
+    if origin is dict:  # dict[str, Any]: a mapping of str keys to JSON values; an empty YAML key is {}
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} ({value!r})")
+        _check_json(value, key)
+        return dict(value)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -213,6 +237,7 @@ def validate(cfg: Config) -> Config:
          f"data.max_len ({cfg.data.max_len}) must not exceed data.token_budget ({cfg.data.token_budget}): "
          "a document never spans two batches")
     need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
+    need(cfg.data.format in ("auto", "openai", "sharegpt"), "data.format: auto | openai | sharegpt")
     need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")
     need(1 <= len(cfg.target.devices) <= MAX_WORKERS, f"target.devices: 1 to {MAX_WORKERS} devices (one worker each)")
     gpus = [d for d in cfg.train.devices if d != "cpu"]

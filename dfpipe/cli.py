@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
+from target_server.data import add_arguments as add_prepare_arguments
 
 DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
 
@@ -77,12 +78,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from target_server.data import main as prepare_main
-    argv = ["--jsonl", args.input, "--tokenizer", args.tokenizer, "--out", args.out,
-            "--max-len", str(args.max_len), "--overlong", args.overlong]
-    if args.chat_template:
-        argv += ["--chat-template", args.chat_template]
-    return prepare_main(argv)
+    from target_server.data import run
+    return run(args, _config(args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -157,14 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(fn=cmd_inspect)
 
-    p = sub.add_parser("prepare-data", help="tokenize chat JSONL into shards (bad rows counted and reported)")
-    p.add_argument("--input", required=True)
-    p.add_argument("--tokenizer", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-len", type=int, default=3072)
-    p.add_argument("--overlong", choices=["truncate", "split", "skip"], default="truncate")
-    p.add_argument("--chat-template", default="",
-                   help="Jinja chat template file with {% generation %} markers (for tokenizers whose own lacks them)")
+    p = sub.add_parser("prepare-data", help="tokenize a chat file (JSONL or Parquet; OpenAI or ShareGPT rows) "
+                                            "into a prepared folder (bad rows counted and reported)")
+    add_prepare_arguments(p)
+    _add_config(p)
     p.set_defaults(fn=cmd_prepare_data)
 
     p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")

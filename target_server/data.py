@@ -1,31 +1,63 @@
-"""prepare-data: chat JSONL -> a tokenized, memory-mappable folder; and its reader.
+"""prepare-data: chat rows (JSONL or Parquet) -> a tokenized, memory-mappable folder; and its reader.
+
+Input: one conversation per JSONL line or Parquet row, in one of two formats, detected per file
+(the first row holding either key decides) or named (`format=`):
+
+    openai    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...],
+               "tools": [...]?}   "content" a string (or a list of {"type": "text", "text"} parts);
+                                  an assistant message may carry "reasoning_content" (or "reasoning")
+                                  and "tool_calls" (then "content" may be null); a tool message
+                                  "tool_call_id" / "name". The template renders them all.
+    sharegpt  {"conversations": [{"from": "human"|"gpt"|"system"|"tool", "value": "..."}, ...],
+               "system": "..."?, "tools": [...]?}   (also user/assistant/observation as `from`)
+
+What the drafter learns (loss mask 1) comes from rendering the conversation with the chat template
+itself, so any template works, with or without `{% generation %}` markers. For assistant message k:
+
+    prompt_k = render(messages[:k], add_generation_prompt=True)   what the server renders before turn k
+    turn_k   = render(messages[:k+1])                             must begin with prompt_k
+    generated text of turn k = turn_k[len(prompt_k):], less the whitespace after its final special token
+
+so the template's assistant header (`<|im_start|>assistant\\n`, and an empty `<think>\\n\\n</think>\\n\\n`
+where the generation prompt holds it, as with enable_thinking=false) is context, while the reasoning
+block, the content, the tool calls and the end-of-turn token (`<|im_end|>`: the drafter learns
+where a turn stops) are generated; the newline the template writes after `<|im_end|>` is context.
+A token is 1 when its characters overlap generated text (as transformers' `{% generation %}` mask).
+The document is turn_K of the last assistant message (later messages hold nothing to learn).
+Some templates re-render history once later turns exist (Qwen3's drop the reasoning of turns
+before the last user message): a turn is trained where its own context and text are what the
+server sees, so such a row becomes several documents (views), each the rendering up to the last
+turn it is trained on; `PrepareReport.multi_view` counts those rows.
 
 Prepared folder (one per dataset; every array is a plain `.npy`, so `np.load(mmap_mode="r")` opens
 it in microseconds and the OS page cache shares it between processes):
 
     <out_dir>/
       input_ids.npy    int32  [T]    the documents' tokens, back to back
-      loss_mask.npy    uint8  [T]    1 on tokens the drafter learns (the chat template's generation span)
+      loss_mask.npy    uint8  [T]    1 on tokens the drafter learns (the assistant's generated tokens, above)
       offsets.npy      int64  [N+1]  document i is tokens [offsets[i], offsets[i+1]); offsets[0] = 0
-      sample_ids.npy   int64  [N]    0-based line of the source row (a split row repeats its id)
-      meta.json                      format/version, source and tokenizer (paths + digests), counts,
-                                     max_len, overlong policy, the PrepareReport
+      sample_ids.npy   int64  [N]    0-based row of the source (a split or multi-view row repeats its id)
+      meta.json                      format/version, source (path, digest, row format), tokenizer (path,
+                                     digest), chat template (text, digest, kwargs), counts, max_len,
+                                     overlong policy, the PrepareReport
       bad_rows.jsonl                 one {"line", "sample_id", "reason"} per rejected row
 
     input_ids   | doc 0 ........ | doc 1 .... | doc 2 ............ |
     offsets     0                a            b                    T
 
-Source rows are numbered two ways, both written down: `sample_id` is the 0-based line index
-(stable across re-preparation, whatever else changes in the file below it); report `line`
-numbers are 1-based, as an editor or `sed -n 'Lp'` shows them, so `line == sample_id + 1`.
+Source rows are numbered two ways, both written down: `sample_id` is the 0-based line (Parquet:
+row) index (stable across re-preparation, whatever else changes in the file below it); report
+`line` numbers are 1-based, as an editor or `sed -n 'Lp'` shows them, so `line == sample_id + 1`.
 
-No row is ever dropped without a trace: every line is either kept (perhaps truncated or split,
-both counted) or listed in the report with its line number and the reason.
+No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
+both counted) or listed in the report with its line number and the reason; a source without a
+single usable row is an error.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -33,11 +65,11 @@ import re
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from common.config import Config
+from common.config import Config, ConfigError, load_config
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +82,19 @@ ARRAYS: dict[str, np.dtype] = {
     "sample_ids": np.dtype(np.int64),
 }
 OVERLONG_POLICIES = ("truncate", "split", "skip")
+ROW_FORMATS = {"openai": "messages", "sharegpt": "conversations"}  # format -> the row key holding the turns
 ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "observation": "tool"}
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # the names transformers reads as reasoning
+EXPECTED_FORMATS = (
+    "one conversation per JSONL line or Parquet row, in one of:\n"
+    '  openai:   {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}\n'
+    '  sharegpt: {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}'
+)
 # Files that define a tokenizer (hashed into meta.json); a model folder's weights are not among them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 _ENCODE_BATCH = 256
 
 
@@ -71,8 +111,9 @@ class PrepareReport:
     """What prepare-data did with every source row.
 
     rows = kept + len(bad). `truncated` and `split` count kept rows (a split row yields several
-    documents); `pieces_dropped` counts split pieces without a single loss token (they would cost
-    target compute and teach nothing).
+    documents); `multi_view` counts kept rows the template rendered as several views (module
+    docstring); `pieces_dropped` counts documents (split pieces, truncated views) without a single
+    loss token (they would cost target compute and teach nothing).
     """
 
     rows: int = 0
@@ -80,6 +121,7 @@ class PrepareReport:
     bad: list[tuple[int, str]] = field(default_factory=list)  # (1-based line, reason)
     truncated: int = 0
     split: int = 0
+    multi_view: int = 0
     pieces_dropped: int = 0
     documents: int = 0
     tokens: int = 0
@@ -96,8 +138,10 @@ class PrepareReport:
         parts = [f"{self.rows} rows: {self.kept} kept ({self.truncated} truncated, {self.split} split), "
                  f"{len(self.bad)} bad; {self.documents} documents, {self.tokens} tokens, "
                  f"{self.loss_tokens} loss tokens"]
+        if self.multi_view:
+            parts.append(f"{self.multi_view} rows prepared as several views (the template re-renders earlier turns)")
         if self.pieces_dropped:
-            parts.append(f"{self.pieces_dropped} split pieces without loss tokens dropped")
+            parts.append(f"{self.pieces_dropped} documents without loss tokens dropped (split pieces, truncated views)")
         for kind, lines in sorted(self.reasons().items()):
             shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
             parts.append(f"  {len(lines)} x {kind} (line {shown})")
@@ -110,58 +154,187 @@ class PrepareReport:
 
 
 # ----------------------------------------------------------------------------------------------
-# Row validation: raw line -> messages, or the reason it is unusable
+# Reading rows: JSONL lines or Parquet rows -> objects, or the reason one is unusable
 
 
-def _parse_row(raw: bytes, control_tokens: re.Pattern[str] | None) -> tuple[list[dict[str, str]] | None, str]:
-    """(messages, "") for a usable row, else (None, reason)."""
+def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, str]]:
+    """(1-based line, object, "") or (line, None, reason). Binary on purpose: only b'\\n' ends a row
+    (text mode would also split at a lone '\\r', shifting every later line number)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            raw = raw.rstrip(b"\r\n")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield number, None, f"not UTF-8: byte {e.start}"
+                continue
+            if not text.strip():
+                yield number, None, "empty line"
+                continue
+            try:
+                yield number, json.loads(text), ""
+            except json.JSONDecodeError as e:
+                yield number, None, f"not JSON: {e.msg} at column {e.colno}"
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, Any, str]]:
+    """(1-based row, row as a dict, ""), read a record batch at a time (bounded memory)."""
+    import pyarrow.parquet as pq  # only where a Parquet file is read
+
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None, f"not UTF-8: byte {e.start}"
-    if not text.strip():
-        return None, "empty line"
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        return None, f"not JSON: {e.msg} at column {e.colno}"
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError... for an unreadable file
+        raise DataError(f"{path}: not a readable Parquet file: {e}") from e
+    number = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, _drop_nulls(row), ""
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Parquet stores a list of objects as structs with the union of their fields, so a field one
+    object lacks reads as null: drop null fields (a tool schema must render as it was written)."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _source_rows(path: str) -> Iterator[tuple[int, Any, str]]:
+    return _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
+
+
+def _row_format(row: dict[str, Any]) -> str | None:
+    """The format whose key the row holds (a null value does not count)."""
+    return next((fmt for fmt, key in ROW_FORMATS.items() if row.get(key) is not None), None)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a JSON value (tool calls, tool schemas)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _tool_calls(calls: Any, i: int) -> str:
+    """"" when `calls` is a list of tool calls ({"function": {"name", "arguments"}} or {"name", "arguments"})."""
+    if not isinstance(calls, list):
+        return f"invalid tool_calls: message {i} tool_calls is a {type(calls).__name__}, not a list"
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"invalid tool_calls: message {i} call {j} has no function name"
+    return ""
+
+
+def _openai_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
+    """One OpenAI message -> the fields a chat template reads (a null field counts as absent)."""
+    if not isinstance(m, dict):
+        return None, f"invalid message: message {i} is a {type(m).__name__}, not an object"
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str):
+        return None, f"invalid role: message {i} role is {type(role).__name__}, not a string"
+    if role not in ROLES:
+        return None, f"invalid role: message {i} role {role!r} is not one of {', '.join(ROLES)}"
+    out: dict[str, Any] = {"role": role}
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            return None, f"invalid tool_calls: message {i} is a {role} message"
+        reason = _tool_calls(m["tool_calls"], i)
+        if reason:
+            return None, reason
+        out["tool_calls"] = m["tool_calls"]
+        content = "" if content is None else content  # OpenAI: content is null beside tool calls
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI content parts, text only
+    if not isinstance(content, str):
+        return None, f"invalid content: message {i} content is {type(content).__name__}, not a string"
+    out["content"] = content
+    reasoning = next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            return None, f"invalid reasoning_content: message {i} reasoning is {type(reasoning).__name__}"
+        out["reasoning_content"] = reasoning
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out, ""
+
+
+def _sharegpt_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
+    if not isinstance(m, dict):
+        return None, f"invalid message: turn {i} is a {type(m).__name__}, not an object"
+    speaker, value = m.get("from"), m.get("value")
+    if speaker not in SHAREGPT_ROLES:
+        return None, f"invalid role: turn {i} from {speaker!r} is not one of {', '.join(SHAREGPT_ROLES)}"
+    if not isinstance(value, str):
+        return None, f"invalid content: turn {i} value is {type(value).__name__}, not a string"
+    return {"role": SHAREGPT_ROLES[speaker], "content": value}, ""
+
+
+@dataclass
+class Conversation:
+    """A usable row: messages with the fields a chat template reads, and the row's tool schemas."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def _parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None) -> tuple[Conversation | None, str]:
+    """(conversation, "") for a usable row of format `fmt`, else (None, reason)."""
+    key = ROW_FORMATS[fmt]
     if not isinstance(row, dict):
         return None, f"not a JSON object: got {type(row).__name__}"
-    if "messages" not in row:
-        return None, "missing 'messages'"
-    messages = row["messages"]
-    if not isinstance(messages, list):
-        return None, f"invalid 'messages': expected a list, got {type(messages).__name__}"
-    if not messages:
-        return None, "invalid 'messages': empty list"
-    cleaned: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return None, f"invalid message: message {i} is a {type(m).__name__}, not an object"
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            return None, f"invalid role: message {i} role is {type(role).__name__}, not a string"
-        if role not in ROLES:
-            return None, f"invalid role: message {i} role {role!r} is not one of {', '.join(ROLES)}"
-        if not isinstance(content, str):
-            return None, f"invalid content: message {i} content is {type(content).__name__}, not a string"
-        if control_tokens is not None:
-            hit = control_tokens.search(content)
-            if hit:
-                # The template would tokenize it as the real control token and corrupt turn boundaries.
-                return None, f"control token in content: message {i} contains {hit.group(0)!r}"
-        cleaned.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in cleaned):
+    if row.get(key) is None:
+        return None, f"missing {key!r}: the file holds {fmt} rows"
+    turns = row[key]
+    if not isinstance(turns, list):
+        return None, f"invalid {key!r}: expected a list, got {type(turns).__name__}"
+    if not turns:
+        return None, f"invalid {key!r}: empty list"
+    convert = _openai_message if fmt == "openai" else _sharegpt_message
+    messages: list[dict[str, Any]] = []
+    system = row.get("system") if fmt == "sharegpt" else None
+    if system is not None and not isinstance(system, str):
+        return None, f"invalid system: expected a string, got {type(system).__name__}"
+    if system:  # ShareGPT files (LLaMA-Factory) may keep the system prompt beside the turns
+        messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        message, reason = convert(turn, i)
+        if message is None:
+            return None, reason
+        messages.append(message)
+    tools = row.get("tools")
+    if isinstance(tools, str):  # some files (LLaMA-Factory's ShareGPT) keep the tool schemas as a JSON string
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            return None, f"invalid tools: not JSON: {e.msg}"
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return None, "invalid tools: expected a list of JSON schemas"
+    if control_tokens is not None:
+        for i, message in enumerate(messages):
+            for text in _strings({k: v for k, v in message.items() if k != "role"}):
+                hit = control_tokens.search(text)
+                if hit:
+                    # The template would tokenize it as the real control token and corrupt turn boundaries.
+                    return None, f"control token in content: message {i} contains {hit.group(0)!r}"
+        hit = next((h for h in map(control_tokens.search, _strings(tools)) if h), None)
+        if hit:
+            return None, f"control token in content: tools contain {hit.group(0)!r}"
+    if not any(m["role"] == "assistant" for m in messages):
         return None, "no assistant turn"
-    return cleaned, ""
-
-
-def _read_lines(f: BinaryIO, digest: Any) -> Iterator[tuple[int, bytes]]:
-    """(1-based line, bytes without the line ending). Binary on purpose: only b'\\n' ends a row
-    (text mode would also split at a lone '\\r', shifting every later line number)."""
-    for number, raw in enumerate(f, start=1):
-        digest.update(raw)
-        yield number, raw.rstrip(b"\r\n")
+    if messages[0]["role"] == "assistant":
+        return None, "assistant turn without a prompt: message 0 is the assistant's"
+    return Conversation(messages, tools), ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,79 +385,162 @@ def _load_tokenizer(tokenizer_dir: str) -> Any:
     from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except Exception as e:  # transformers raises many types for an unusable folder
         raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}") from e
+    if not getattr(tokenizer, "is_fast", False):
+        # The loss mask maps rendered characters to tokens: only a fast (tokenizer.json) tokenizer has offsets.
+        raise DataError(f"{tokenizer_dir}: a fast tokenizer (tokenizer.json) is needed for character offsets")
+    return tokenizer
+
+
+def _is_inline(chat_template: str) -> bool:
+    return "{{" in chat_template or "{%" in chat_template
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """The template text a `chat_template` setting names: None for "" (the tokenizer's own); the
+    text itself when it is inline Jinja (it holds '{{' or '{%'); else it is a file path: its text."""
+    if not chat_template:
+        return None
+    if _is_inline(chat_template):
+        return chat_template
+    if not os.path.isfile(chat_template):
+        raise DataError(f"chat template file not found: {chat_template} (inline Jinja must hold '{{{{' or '{{%')")
+    with open(chat_template, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise DataError(f"chat template file is empty: {chat_template}")
+    return text
 
 
 def _resolve_template(tokenizer: Any, chat_template: str | None, tokenizer_dir: str) -> str:
-    template = chat_template
-    if template is not None and os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            template = f.read()
-    template = template if template is not None else getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not template:
-        raise DataError(f"{tokenizer_dir}: tokenizer has no chat template; pass chat_template=")
-    if not _GENERATION_TAG.search(template):
-        # Without it transformers returns an all-zero assistant mask: every row would be rejected.
-        raise DataError(f"the chat template of {tokenizer_dir} has no {{% generation %}} block, so it cannot "
-                        "mark assistant tokens; pass chat_template= (e.g. target_server.tokenizer.CHAT_TEMPLATE "
-                        "adapted to the target's format)")
-    return template
+    try:  # the tokenizer's own may be several named templates: get_chat_template picks the default
+        return tokenizer.get_chat_template(read_chat_template(chat_template))
+    except ValueError as e:
+        raise DataError(f"{tokenizer_dir}: tokenizer has no chat template; set a chat_template ({e})") from e
 
 
-def _control_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+def _check_template_kwargs(kwargs: Any, tokenizer: Any) -> dict[str, Any]:
+    """Template variables: a JSON mapping of str keys that do not clash with what prepare-data passes."""
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise DataError(f"chat_template_kwargs must be a mapping with string keys, got {kwargs!r}")
+    try:
+        json.dumps(kwargs)  # recorded in meta.json and hashed into the cache key
+    except (TypeError, ValueError) as e:
+        raise DataError(f"chat_template_kwargs must hold JSON values: {e}") from e
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+    clash = sorted(set(kwargs) & (own - {"kwargs"}))
+    if clash:
+        raise DataError(f"chat_template_kwargs: {', '.join(clash)} set by prepare-data itself, not a template variable")
+    return dict(kwargs)
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens, longest first (so a regex alternation prefers the longest)."""
     specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
     specials |= set(getattr(tokenizer, "all_special_tokens", []))
     specials.discard("")
-    if not specials:
-        return None
-    return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+    return sorted(specials, key=len, reverse=True)
 
 
-def _encode(tokenizer: Any, template: str, conversations: list[list[dict[str, str]]]
-            ) -> list[tuple[np.ndarray, np.ndarray] | str]:
-    """Token ids and loss masks for each conversation, or the template's error for that one."""
-    def run(batch: list[list[dict[str, str]]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        out = tokenizer.apply_chat_template(batch, chat_template=template, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        return [(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
-                for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
+def _control_token_pattern(specials: list[str]) -> re.Pattern[str] | None:
+    return re.compile("|".join(re.escape(t) for t in specials)) if specials else None
 
-    try:
-        return list(run(conversations))
-    except Exception:
-        # One row broke the batch (a template `raise_exception`, say): find it, keep the others.
-        results: list[tuple[np.ndarray, np.ndarray] | str] = []
-        for conversation in conversations:
+
+# A view: a rendered text and the character spans of it the assistant generated.
+View = tuple[str, list[tuple[int, int]]]
+
+
+@dataclass
+class _Renderer:
+    """Renders conversations with one template and its variables; finds the generated spans (module docstring)."""
+
+    tokenizer: Any
+    template: str
+    kwargs: dict[str, Any]
+    end_tokens: tuple[str, ...]  # special tokens: a generated span ends at its last one
+
+    def render(self, conversation: Conversation, upto: int, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            conversation.messages[:upto], tools=conversation.tools, chat_template=self.template,
+            add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs)
+
+    def views(self, conversation: Conversation) -> list[View] | str:
+        """The views a conversation is trained as, or the reason it cannot be."""
+        views: list[View] = []
+        text, spans = "", []
+        for k, message in enumerate(conversation.messages):
+            if message["role"] != "assistant":
+                continue
             try:
-                results.append(run([conversation])[0])
-            except Exception as e:
-                results.append(f"template error: {type(e).__name__}: {e}")
-        return results
+                prompt = self.render(conversation, k, generation_prompt=True)
+                turn = self.render(conversation, k + 1, generation_prompt=False)
+            except Exception as e:  # a template's raise_exception, a missing field...: this row only
+                return f"template error: {type(e).__name__}: {e}"
+            if not turn.startswith(prompt):
+                return (f"template mismatch: message {k} does not render as a continuation of the generation "
+                        "prompt before it (reasoning_content with thinking off?)")
+            if spans and not turn.startswith(text):
+                views.append((text, spans))  # the template re-rendered earlier turns: a new view starts
+                spans = []
+            text = turn
+            spans.append((len(prompt), self._generated_end(turn, len(prompt))))
+        views.append((text, spans))
+        return views
+
+    def _generated_end(self, turn: str, start: int) -> int:
+        """Where the generated text ends: after the final special token (the end-of-turn) when only
+        whitespace the template writes between turns follows it; else the end of the turn."""
+        body = turn[start:].rstrip()
+        return start + len(body) if self.end_tokens and body.endswith(self.end_tokens) else len(turn)
 
 
-def _documents(ids: np.ndarray, mask: np.ndarray, max_len: int, overlong: str, report: PrepareReport
+def _tokenize(tokenizer: Any, views: list[View]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask: 1 on every
+    token whose characters overlap a generated span."""
+    if not views:
+        return []
+    encoded = tokenizer([text for text, _ in views], add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for (_, spans), ids, offsets in zip(views, encoded["input_ids"], encoded["offset_mapping"]):
+        chars = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for a, b in spans:
+            mask |= (chars[:, 0] < b) & (chars[:, 1] > a)
+        out.append((np.asarray(ids, dtype=np.int64), mask.astype(np.uint8)))
+    return out
+
+
+def _documents(views: list[tuple[np.ndarray, np.ndarray]], max_len: int, overlong: str, report: PrepareReport
                ) -> list[tuple[np.ndarray, np.ndarray]] | str:
-    """The documents one encoded row becomes under the overlong policy, or the reason it becomes none."""
-    if len(ids) == 0:
+    """The documents one row's encoded views become under the overlong policy, or the reason it becomes none."""
+    if all(len(ids) == 0 for ids, _ in views):
         return "empty: the template produced no tokens"
-    if not mask.any():
+    if not any(mask.any() for _, mask in views):
         return "no assistant tokens"
-    if len(ids) <= max_len:
-        return [(ids, mask)]
-    if overlong == "skip":
-        return f"longer than max_len: {len(ids)} > {max_len} tokens"
-    if overlong == "truncate":
-        if not mask[:max_len].any():
-            return f"no assistant tokens after truncation: all of them lie beyond max_len {max_len}"
-        report.truncated += 1
-        return [(ids[:max_len], mask[:max_len])]
-    pieces = [(ids[s:s + max_len], mask[s:s + max_len]) for s in range(0, len(ids), max_len)]
-    useful = [p for p in pieces if p[1].any()]
-    report.split += 1
-    report.pieces_dropped += len(pieces) - len(useful)
-    return useful
+    longest = max(len(ids) for ids, _ in views)
+    if overlong == "skip" and longest > max_len:
+        return f"longer than max_len: {longest} > {max_len} tokens"
+    docs: list[tuple[np.ndarray, np.ndarray]] = []
+    dropped = 0
+    for ids, mask in views:
+        if len(ids) <= max_len:
+            pieces = [(ids, mask)]
+        elif overlong == "truncate":
+            pieces = [(ids[:max_len], mask[:max_len])]
+        else:
+            pieces = [(ids[s:s + max_len], mask[s:s + max_len]) for s in range(0, len(ids), max_len)]
+        useful = [p for p in pieces if p[1].any()]
+        dropped += len(pieces) - len(useful)
+        docs += useful
+    if not docs:
+        return f"no assistant tokens after truncation: all of them lie beyond max_len {max_len}"
+    report.pieces_dropped += dropped
+    if longest > max_len:
+        report.truncated += overlong == "truncate"
+        report.split += overlong == "split"
+    return docs
 
 
 def _prepare_out_dir(out_dir: str) -> str:
@@ -309,43 +565,54 @@ def _publish(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare_data(jsonl_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
-                 chat_template: str | None = None) -> PrepareReport:
-    """Tokenize a chat JSONL file into a prepared folder (layout in the module docstring).
+def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
+                 chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 row_format: str = "auto") -> PrepareReport:
+    """Tokenize a chat JSONL or Parquet file into a prepared folder (input formats and layout in the
+    module docstring).
 
-    chat_template: a Jinja template (or a path to one) used instead of the tokenizer's own; it must
-    wrap assistant content in {% generation %}. Bad rows are counted and listed, never fatal;
-    a missing input, an unusable tokenizer or bad arguments raise DataError.
+    chat_template: a Jinja template, or a path to one, used instead of the tokenizer's own;
+    chat_template_kwargs: variables it reads (e.g. {"enable_thinking": False}); row_format: auto
+    (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt.
+    Bad rows are counted and listed, never fatal; a missing input, an unusable tokenizer or
+    template, bad arguments or a source without one usable row raise DataError.
     """
     if overlong not in OVERLONG_POLICIES:
         raise DataError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
     if max_len < 2:
         raise DataError(f"max_len must be at least 2 tokens, got {max_len}")
-    if not os.path.isfile(jsonl_path):
-        raise DataError(f"input file not found: {jsonl_path}")
+    if row_format != "auto" and row_format not in ROW_FORMATS:
+        raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
+    if not os.path.isfile(source_path):
+        raise DataError(f"input file not found: {source_path}")
     out_dir = os.path.normpath(out_dir)
     tokenizer = _load_tokenizer(tokenizer_dir)
     template = _resolve_template(tokenizer, chat_template, tokenizer_dir)
-    control_tokens = _control_token_pattern(tokenizer)
+    kwargs = _check_template_kwargs(chat_template_kwargs or {}, tokenizer)
+    specials = _special_tokens(tokenizer)
+    control_tokens = _control_token_pattern(specials)
+    renderer = _Renderer(tokenizer, template, kwargs, tuple(specials))
+    source_sha256 = _file_sha256(source_path)
+    fmt = None if row_format == "auto" else row_format
 
     tmp = _prepare_out_dir(out_dir)
     report = PrepareReport()
     writers = {name: _ArrayWriter(os.path.join(tmp, f"{name}.npy"), ARRAYS[name]) for name in ("input_ids", "loss_mask")}
     offsets, sample_ids = [0], []
     max_token_id = -1
-    source_digest = hashlib.sha256()
 
-    def flush(pending: list[tuple[int, list[dict[str, str]]]]) -> None:
+    def flush(pending: list[tuple[int, Conversation]]) -> None:
         nonlocal max_token_id
-        if not pending:
-            return
-        encoded = _encode(tokenizer, template, [conversation for _, conversation in pending])
-        for (line, _), result in zip(pending, encoded):
-            docs = result if isinstance(result, str) else _documents(*result, max_len, overlong, report)
+        rendered = [(line, renderer.views(conversation)) for line, conversation in pending]
+        encoded = iter(_tokenize(tokenizer, [v for _, views in rendered if not isinstance(views, str) for v in views]))
+        for line, views in rendered:
+            docs = views if isinstance(views, str) else _documents([next(encoded) for _ in views], max_len,
+                                                                   overlong, report)
             if isinstance(docs, str):
                 report.bad.append((line, docs))
                 continue
             report.kept += 1
+            report.multi_view += len(views) > 1
             for ids, mask in docs:
                 writers["input_ids"].append(ids)
                 writers["loss_mask"].append(mask)
@@ -356,20 +623,29 @@ def prepare_data(jsonl_path: str, tokenizer_dir: str, out_dir: str, max_len: int
         pending.clear()
 
     try:
-        pending: list[tuple[int, list[dict[str, str]]]] = []
-        with open(jsonl_path, "rb") as f:
-            for line, raw in _read_lines(f, source_digest):
-                report.rows += 1
-                messages, reason = _parse_row(raw, control_tokens)
-                if messages is None:
-                    # Rows reach the report in file order: flush what is pending before this one.
-                    flush(pending)
-                    report.bad.append((line, reason))
-                    continue
-                pending.append((line, messages))
-                if len(pending) >= _ENCODE_BATCH:
-                    flush(pending)
-            flush(pending)
+        pending: list[tuple[int, Conversation]] = []
+        for line, row, reason in _source_rows(source_path):
+            report.rows += 1
+            conversation = None
+            if not reason:
+                if fmt is None and isinstance(row, dict):
+                    fmt = _row_format(row)  # the first row holding either key decides the file's format
+                if fmt is None:
+                    reason = (f"not a JSON object: got {type(row).__name__}" if not isinstance(row, dict) else
+                              f"missing {' or '.join(map(repr, ROW_FORMATS.values()))}")
+                else:
+                    conversation, reason = _parse_row(row, fmt, control_tokens)
+            if conversation is None:
+                # Rows reach the report in file order: flush what is pending before this one.
+                flush(pending)
+                report.bad.append((line, reason))
+                continue
+            pending.append((line, conversation))
+            if len(pending) >= _ENCODE_BATCH:
+                flush(pending)
+        flush(pending)
+        if report.kept == 0:
+            raise DataError(f"{source_path}: no usable rows. Expected {EXPECTED_FORMATS}\n{report.summary()}")
         for w in writers.values():
             w.finish()
         np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=ARRAYS["offsets"]))
@@ -380,9 +656,10 @@ def prepare_data(jsonl_path: str, tokenizer_dir: str, out_dir: str, max_len: int
                 f.write(json.dumps({"line": line, "sample_id": line - 1, "reason": reason}) + "\n")
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
-            "source": os.path.abspath(jsonl_path), "source_sha256": source_digest.hexdigest(),
+            "source": os.path.abspath(source_path), "source_sha256": source_sha256, "source_format": fmt,
             "tokenizer": os.path.abspath(tokenizer_dir), "tokenizer_sha256": tokenizer_digest(tokenizer_dir),
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "chat_template": template, "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "chat_template_kwargs": kwargs,
             "vocab_size": len(tokenizer), "max_token_id": max_token_id,
             "max_len": max_len, "overlong": overlong,
             "num_documents": report.documents, "num_tokens": report.tokens, "num_loss_tokens": report.loss_tokens,
@@ -489,21 +766,32 @@ def _tokenizer_for(cfg: Config, source: str = "train_path") -> str:
                     f"(target.model {cfg.target.model!r} has no tokenizer folder)")
 
 
+def template_setting(cfg: Config) -> str:
+    """data.chat_template with a file path taken relative to the config file (inline Jinja as it is)."""
+    t = cfg.data.chat_template
+    return t if not t or _is_inline(t) else cfg.resolve(t)
+
+
 def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     """The data set named by `data.<source>` (train_path, or heldout_path for the held-out batches): a
-    prepared folder as it is, or a chat .jsonl prepared once into <target.cache_dir>/data/<name>-<key>/,
-    key = digest of (file bytes, tokenizer files, max_len, overlong, format version); a later start
-    with the same inputs reuses it."""
+    prepared folder as it is, or a chat .jsonl / .parquet prepared once into
+    <target.cache_dir>/data/<name>-<key>/, key = digest of (file bytes, tokenizer files, max_len,
+    overlong, row format, chat template text and kwargs, format version); a later start with the
+    same inputs reuses it, a changed template or kwarg prepares again."""
     path = cfg.resolve(getattr(cfg.data, source))
     if not path:
-        raise DataError(f"data.{source} is empty: name a prepared folder or a chat .jsonl file")
+        raise DataError(f"data.{source} is empty: name a prepared folder or a chat .jsonl / .parquet file")
     if os.path.isdir(path):
         return PreparedDataset.open(path)
     if not os.path.isfile(path):
         raise DataError(f"data.{source} not found: {path}")
+    d = cfg.data
     tokenizer_dir = _tokenizer_for(cfg, source)
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir),
-                                     cfg.data.max_len, cfg.data.overlong]).encode()).hexdigest()[:16]
+    template = template_setting(cfg)
+    template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
+    inputs = [FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
+              hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs]
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]
     out_dir = os.path.join(cfg.resolve(cfg.target.cache_dir), "data", f"{name}-{key}")
     if os.path.isfile(os.path.join(out_dir, "meta.json")):
@@ -512,32 +800,80 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
         except DataError as e:
             log.warning("prepared cache %s unusable (%s); preparing again", out_dir, e)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    report = prepare_data(path, tokenizer_dir, out_dir, cfg.data.max_len, cfg.data.overlong)
+    report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
+                          d.format)
     log.info("prepared %s -> %s\n%s", path, out_dir, report.summary())
     if report.bad:
         log.warning("%d bad rows in %s, listed in %s", len(report.bad), path, os.path.join(out_dir, "bad_rows.jsonl"))
-    if report.documents == 0:
-        raise DataError(f"{path}: no usable rows\n{report.summary()}")
     return PreparedDataset.open(out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Tokenize a chat JSONL file into a prepared dataset folder.")
-    parser.add_argument("--jsonl", required=True, help="chat JSONL: one {\"messages\": [...]} per line")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer folder (the target's)")
+# ----------------------------------------------------------------------------------------------
+# Command line (`dfpipe prepare-data`, or `python -m target_server.data`)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """prepare-data's options; unset ones come from the config's data section (and target.tokenizer)."""
+    parser.add_argument("--input", "--jsonl", dest="input", required=True,
+                        help="chat file: .jsonl (one conversation a line) or .parquet (one a row)")
+    parser.add_argument("--tokenizer", default="",
+                        help="tokenizer folder, the target's (default: the config's target.tokenizer or target.model)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--max-len", type=int, default=3072)
-    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default="truncate")
-    parser.add_argument("--chat-template", default=None, help="Jinja template (file) with {% generation %}")
-    args = parser.parse_args(argv)
+    parser.add_argument("--format", choices=("auto", *ROW_FORMATS), default=None,
+                        help="row format: openai (messages), sharegpt (conversations); default data.format, auto: "
+                             "detected per file")
+    parser.add_argument("--max-len", type=int, default=None, help="longest document in tokens (default data.max_len)")
+    parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default=None, help="default data.overlong")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template, a file or inline text; any template works, generation markers "
+                             "are not needed (default data.chat_template, else the tokenizer's own)")
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                        help='template variables as a JSON object, e.g. \'{"enable_thinking": false}\' '
+                             "(default data.chat_template_kwargs)")
+
+
+def run(args: argparse.Namespace, cfg: Config) -> int:
+    """Prepare args.input into args.out; 0, or 2 with the reason on stderr."""
+    d = cfg.data
     try:
-        report = prepare_data(args.jsonl, args.tokenizer, args.out, args.max_len, args.overlong, args.chat_template)
+        kwargs = d.chat_template_kwargs
+        if args.chat_template_kwargs is not None:
+            try:
+                kwargs = json.loads(args.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--chat-template-kwargs is not JSON: {e}") from e
+        tokenizer_dir = args.tokenizer
+        if not tokenizer_dir:
+            try:
+                tokenizer_dir = _tokenizer_for(cfg)
+            except DataError:
+                raise DataError("no tokenizer: pass --tokenizer, or a config (-c) whose target.tokenizer or "
+                                "target.model folder holds one") from None
+        report = prepare_data(args.input, tokenizer_dir, args.out,
+                              d.max_len if args.max_len is None else args.max_len, args.overlong or d.overlong,
+                              template_setting(cfg) if args.chat_template is None else args.chat_template,
+                              kwargs, args.format or d.format)
     except DataError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
     print(report.summary())
     print(f"wrote {args.out} (bad rows listed in {os.path.join(args.out, 'bad_rows.jsonl')})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Tokenize a chat file (JSONL or Parquet) into a prepared folder.")
+    add_arguments(parser)
+    parser.add_argument("-c", "--config", default="", help="YAML config whose data section gives the defaults")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config or None, args.set)
+    except ConfigError as e:
+        print(f"prepare-data: config error: {e}", file=sys.stderr)
+        return 2
+    return run(args, cfg)
 
 
 if __name__ == "__main__":

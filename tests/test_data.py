@@ -258,12 +258,19 @@ def test_overlong_skip_reports_the_row_as_bad(tmp_path):
     assert PreparedDataset.open(str(tmp_path / "p")).sample_ids.tolist() == [1]
 
 
-def test_template_without_generation_block_is_a_clear_error(tmp_path):
+def test_tokenizer_without_a_chat_template_is_a_clear_error(tmp_path):
+    """Any template works (tests/test_chat_formats.py); none at all is an error naming the fix."""
+    bare = tmp_path / "bare-tokenizer"
+    bare.mkdir()
+    for name in os.listdir(DEMO_TOKENIZER):
+        if name != "chat_template.jinja":
+            (bare / name).write_bytes(open(os.path.join(DEMO_TOKENIZER, name), "rb").read())
     src = _write_lines(tmp_path / "rows.jsonl", [GOOD])
-    plain = CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
-    with pytest.raises(DataError, match="generation"):
-        prepare_data(src, DEMO_TOKENIZER, str(tmp_path / "p"), max_len=64, chat_template=plain)
+    with pytest.raises(DataError, match="no chat template; set a chat_template"):
+        prepare_data(src, str(bare), str(tmp_path / "p"), max_len=64)
     assert not (tmp_path / "p").exists()
+    prepare_data(src, str(bare), str(tmp_path / "p"), max_len=64, chat_template=CHAT_TEMPLATE)
+    assert PreparedDataset.open(str(tmp_path / "p")).meta["chat_template"] == CHAT_TEMPLATE
 
 
 def test_bad_arguments_are_clear_errors_not_crashes(tmp_path):
