@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
+SET_TARGET = "set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings())"
+
 
 class DFlashRMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in fp32, scale in the input's dtype."""
@@ -222,16 +224,20 @@ class DFlashDraftModel(PreTrainedModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._target_embed is None:
-            raise RuntimeError("DFlash drafter: the export has no token embedding; it is the target's. Call "
-                               "set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings()) "
-                               "first, or pass inputs_embeds")
+            raise RuntimeError(f"DFlash drafter: the export has no token embedding, it is the target's: "
+                               f"call {SET_TARGET} first, or pass inputs_embeds")
+        vocab = self._target_embed.shape[0]
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            # on CUDA an out-of-range lookup is a device assert, not an exception
+            raise ValueError(f"DFlash drafter: token ids in [{int(input_ids.min())}, {int(input_ids.max())}] "
+                             f"outside the {vocab}-token vocabulary")
         return F.embedding(input_ids, self._target_embed)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits through the target's lm_head."""
         if self._target_lm_head is None:
-            raise RuntimeError("DFlash drafter: the export has no lm_head; it is the target's. Call "
-                               "set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings()) first")
+            raise RuntimeError(f"DFlash drafter: the export has no lm_head, it is the target's: "
+                               f"call {SET_TARGET} first")
         return F.linear(hidden_states.to(self._target_lm_head.dtype), self._target_lm_head)
 
     # -- forward -------------------------------------------------------------------------------
@@ -265,8 +271,9 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError("DFlash drafter: pass exactly one of input_ids and inputs_embeds")
         embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if embeds.dim() != 3 or embeds.shape[:2] != position_ids.shape or embeds.shape[2] != self.config.hidden_size:
-            raise ValueError(f"DFlash drafter: block tokens {tuple(embeds.shape[:2])} and position_ids "
-                             f"{tuple(position_ids.shape)} must both be [N, B] (embeddings [N, B, {self.config.hidden_size}])")
+            raise ValueError(f"DFlash drafter: block tokens {tuple(embeds.shape)}, position_ids "
+                             f"{tuple(position_ids.shape)}: expected [N, B] ids or [N, B, H] embeddings "
+                             "and [N, B] positions")
         n, b = position_ids.shape
         context = self.project_context(target_hidden)
         t, device = context.shape[0], context.device

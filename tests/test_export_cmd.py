@@ -61,6 +61,13 @@ def test_a_folder_without_a_config_is_an_error(run_dir, tmp_path):
         _export(run_dir, tmp_path / "out", "--target", str(tmp_path / "empty"))
 
 
+def test_a_config_that_is_not_json_is_an_error(run_dir, tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{hidden_size: 64")
+    with pytest.raises(SystemExit, match="not JSON"):
+        _export(run_dir, tmp_path / "out", "--target", str(tmp_path / "target"))
+
+
 @pytest.mark.parametrize("key, value", [("hidden_size", 128), ("vocab_size", 151936), ("num_hidden_layers", 36)])
 def test_a_target_of_another_shape_is_an_error_naming_the_difference(run_dir, tmp_path, key, value):
     target = _target(tmp_path / "target", **{**TARGET_SHAPE, key: value})

@@ -125,6 +125,9 @@ def test_without_the_targets_embedding_token_ids_and_logits_are_refused(tmp_path
         draft.compute_logits(torch.zeros(1, 64))
     with pytest.raises(ValueError, match=r"\[97, 64\]"):
         draft.set_target_embeddings(torch.zeros(96, 64))
+    draft.set_target_embeddings(torch.zeros(97, 64))
+    with pytest.raises(ValueError, match="token ids in \\[0, 97\\] outside the 97-token vocabulary"):
+        draft(batch.hidden, blocks.block_positions, input_ids=torch.tensor([[97, 0, 0, 0]]))
     with pytest.raises(ValueError, match=r"target_hidden has shape \(2, 9, 64\)"):
         draft(batch.hidden[:2], blocks.block_positions, inputs_embeds=torch.zeros(1, 4, 64))
 
@@ -142,3 +145,58 @@ def test_config_keeps_what_serving_engines_read_and_adds_only_auto_model(exporte
     source = (out / "modeling_dflash.py").read_text()
     imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imports == {"__future__", "torch", "torch.nn.functional", "transformers"}
+
+
+def test_the_readme_transformers_flow_on_a_real_target_matches_the_trainer(tmp_path):
+    """README "Serving the exported drafter", Transformers: context from HF hidden_states[l + 1],
+    the block after it, logits through the target's head == the trainer's model on the states its
+    capture (a hook on decoder layer l) records."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from common.batch import PackedBatch
+    from common.config import DrafterConfig
+    from drafter_trainer.model import DFlashConfig
+    from target_server.tiny import build_tiny_target
+
+    target_dir = build_tiny_target(str(tmp_path / "target"), arch="qwen3", vocab_size=128, hidden_size=64)
+    target_config = json.loads((tmp_path / "target" / "config.json").read_text())
+    cfg = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=2, block_size=4), None, mask_token_id=127)
+    trainer_model = make_model(cfg).eval()
+    trainer_model.load_target_head(target_dir)
+    export_drafter(trainer_model, str(tmp_path / "export"), dtype=torch.float32)
+
+    # the README lines
+    draft = AutoModel.from_pretrained(str(tmp_path / "export"), trust_remote_code=True).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft.set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings())
+    t, b = 11, draft.block_size
+    sequence = torch.randint(0, 127, (1, t + b), generator=torch.Generator().manual_seed(3))
+    ids, next_token = sequence[:, :t], int(sequence[0, t])
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1][0] for i in draft.target_layer_ids], dim=-1)
+        block = torch.tensor([[next_token] + [draft.mask_token_id] * (draft.block_size - 1)])
+        positions = t + torch.arange(draft.block_size)[None]
+        hidden = draft(context, positions, input_ids=block)
+        logits = draft.compute_logits(hidden)
+
+    # the trainer, on what dfpipe's capture records for the whole row, block anchored at t
+    planes: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[layer].register_forward_hook(
+        lambda _m, _a, out, p=p: planes.__setitem__(p, (out[0] if isinstance(out, tuple) else out)[0]))
+        for p, layer in enumerate(cfg.target_layer_ids)]
+    with torch.no_grad():
+        target(sequence)
+    for hook in hooks:
+        hook.remove()
+    n = t + b
+    batch = PackedBatch(hidden=torch.stack([planes[p] for p in range(len(planes))]),
+                        input_ids=sequence[0].to(torch.int32), loss_mask=torch.ones(n, dtype=torch.uint8),
+                        position_ids=torch.arange(n, dtype=torch.int32), doc_lens=torch.tensor([n], dtype=torch.int32),
+                        sample_ids=torch.zeros(1, dtype=torch.int64))
+    blocks = build_blocks(batch, torch.tensor([t]), b, 127, 7.0)
+    with torch.no_grad():
+        want = trainer_model(batch.hidden, blocks.block_input_ids, blocks)
+        want_logits = trainer_model.compute_logits(want)
+    _assert_close(hidden, want)
+    _assert_close(logits, want_logits)
