@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")
     _add_config(p)
     p.add_argument("--checkpoint", default="", help="checkpoint folder (default: latest)")
-    p.add_argument("--target", default="", help="target model folder (default: from the config)")
+    p.add_argument("--target", default="",
+                   help="target model folder the drafter is checked against: hidden size, vocabulary, layer count "
+                        "(default: the config's target; a built-in target is not checked)")
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_export)
 

@@ -1,13 +1,20 @@
-"""`dfpipe export`: a checkpoint -> the drafter folder SGLang / vLLM / the reference loader read."""
+"""`dfpipe export`: a checkpoint -> the drafter folder SGLang / vLLM / Transformers / the reference loader read."""
 from __future__ import annotations
 
 from common.config import Config
 from drafter_trainer.checkpoint import latest_checkpoint, load_checkpoint
-from drafter_trainer.export import export_drafter
+from drafter_trainer.export import ExportError, check_target, export_drafter
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+from target_server.tiny import BUILTIN_PREFIX
 
 
 def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: str = "") -> str:
+    """Export `checkpoint` (default: the latest) to out_dir after checking it against the target.
+
+    target_dir: the target model folder (default: the config's target). A folder that does not
+    exist or whose hidden size, vocabulary or layer count differ from the drafter's is an error;
+    a built-in target (a test model built on demand) is not checked.
+    """
     path = checkpoint or latest_checkpoint(cfg.resolve(cfg.train.out_dir))
     if not path:
         raise SystemExit(f"dfpipe export: no checkpoint under {cfg.resolve(cfg.train.out_dir)}")
@@ -16,5 +23,14 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
     result = model.load_state_dict(state["model"], strict=False)
     if result.unexpected_keys:
         raise SystemExit(f"dfpipe export: checkpoint {path} has unknown weights {result.unexpected_keys[:4]}")
+    target = target_dir or cfg.resolve(cfg.target.model)
+    if target.startswith(BUILTIN_PREFIX):
+        print(f"dfpipe export: target {target} is built in, not checked (pass --target FOLDER to check one)")
+    else:
+        try:
+            check_target(model.config, target)
+        except ExportError as e:
+            hint = "" if target_dir else " (the config's target; pass --target FOLDER for another)"
+            raise SystemExit(f"dfpipe export: {e}{hint}") from None
     export_drafter(model, out_dir)
     return out_dir

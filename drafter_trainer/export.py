@@ -1,14 +1,22 @@
-"""Export a trained drafter in the folder format SGLang, vLLM and the z-lab loader read, and load it back.
+"""Export a trained drafter in the folder format SGLang, vLLM, the z-lab loader and Transformers read.
 
-    <out_dir>/
+    <out_dir>/            mode 0755, files 0644 (a serving process may run as another user)
       config.json         architectures ["DFlashDraftModel"], model_type "qwen3", the shape fields,
                           layer_types, sliding_window, tie_word_embeddings false,
-                          dflash_config {mask_token_id, target_layer_ids}
+                          dflash_config {mask_token_id, target_layer_ids},
+                          auto_map {AutoModel: modeling_dflash.DFlashDraftModel}
+      modeling_dflash.py  the drafter for `AutoModel.from_pretrained(out_dir, trust_remote_code=True)`
+                          (a copy of drafter_trainer/modeling_dflash.py: torch and transformers only)
       model.safetensors   fc.weight, hidden_norm.weight, norm.weight,
                           layers.N.self_attn.{q,k,v,o}_proj.weight, layers.N.self_attn.{q,k}_norm.weight,
                           layers.N.mlp.{gate,up,down}_proj.weight,
                           layers.N.{input,post_attention}_layernorm.weight
                           (no embedding, no lm_head: they come from the target at load time)
+
+SGLang and vLLM pick their DFlash implementation from `architectures` (and the method named on
+their command line) and read the rest as a Qwen3 config; the published z-lab drafters carry the
+same `auto_map` with AutoModel only, so AutoConfig keeps returning a plain Qwen3Config and the
+serving engines never run the remote code.
 
 The folder is written under a temporary name next to out_dir and renamed into place, so a
 reader sees the old export, no export, or the complete new one, never a half-written one.
@@ -24,9 +32,14 @@ import torch
 
 from drafter_trainer.checkpoint import fsync_path
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel, DrafterConfigError
+from drafter_trainer.target_head import text_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+MODELING_FILE = "modeling_dflash.py"
+MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), MODELING_FILE)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+FILE_MODE, DIR_MODE = 0o644, 0o755
 
 
 class ExportError(ValueError):
@@ -45,6 +58,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.trainable_state_dict().items()}
     config = cfg.to_json_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
+    config["auto_map"] = dict(AUTO_MAP)
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -57,8 +71,12 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
+        shutil.copyfile(MODELING_SOURCE, os.path.join(tmp, MODELING_FILE))
+        for name in (WEIGHTS_FILE, CONFIG_FILE, MODELING_FILE):
+            # explicit modes: safetensors writes 0600 whatever the umask
+            os.chmod(os.path.join(tmp, name), FILE_MODE)
             fsync_path(os.path.join(tmp, name))
+        os.chmod(tmp, DIR_MODE)
         fsync_path(tmp)
         old = f"{out_dir}.old-{tag}" if os.path.exists(out_dir) else None
         if old:
@@ -70,6 +88,30 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_target(config: DFlashConfig, target_dir: str) -> None:
+    """Refuse a target folder this drafter was not shaped for: its width, vocabulary and layer count
+    must be the ones the drafter reads (fc input, mask / anchor token ids, target_layer_ids)."""
+    path = os.path.join(target_dir, CONFIG_FILE)
+    if not os.path.isdir(target_dir):
+        raise ExportError(f"target {target_dir}: no such folder")
+    try:
+        with open(path, encoding="utf-8") as f:
+            target = json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"target {target_dir}: no {CONFIG_FILE} (not a Hugging Face model folder)") from None
+    except ValueError as e:
+        raise ExportError(f"target {path}: not JSON ({e})") from None
+    if not isinstance(target, dict):
+        raise ExportError(f"target {path}: not a JSON object")
+    text = text_config(target)
+    wanted = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+              "num_hidden_layers": config.num_target_layers}
+    found = {key: text.get(key, target.get(key)) for key in wanted}
+    wrong = [f"{key} {found[key]} (the drafter's: {value})" for key, value in wanted.items() if found[key] != value]
+    if wrong:
+        raise ExportError(f"target {target_dir} is not the target this drafter was trained for: " + ", ".join(wrong))
 
 
 def load_drafter(export_dir: str, target_dir: str | None, device: str | torch.device = "cpu",

@@ -1,8 +1,11 @@
-"""The exported drafter folder: exactly what SGLang / vLLM / the reference loader read, written atomically."""
+"""The exported drafter folder: exactly what SGLang / vLLM / the reference loader read, written atomically.
+
+The Transformers trust_remote_code path is tested in test_export_remote_code.py."""
 from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ def _sliding_config():
 
 def test_export_holds_exactly_the_design_keys_and_no_target_tensors(tmp_path):
     export_drafter(make_model(_sliding_config()), str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{k}" for i in range(2) for k in LAYER_KEYS}
@@ -82,6 +85,19 @@ def test_bf16_export_loads_close_to_the_trained_model(tmp_path):
     batch = make_batch([9, 14, 11])
     with torch.no_grad():
         assert (forward(loaded, batch, [3, 12]) - forward(model, batch, [3, 12])).abs().max() < 0.1
+
+
+def test_export_is_readable_by_other_users_whatever_the_umask(tmp_path):
+    """A serving process often runs as another user: files 0644, folder 0755 (safetensors alone
+    writes 0600, and a strict umask would narrow config.json and the folder too)."""
+    old_umask = os.umask(0o077)
+    try:
+        export_drafter(make_model(), str(tmp_path / "out"))
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o755
+    modes = {name: stat.S_IMODE(os.stat(tmp_path / "out" / name).st_mode) for name in os.listdir(tmp_path / "out")}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, "modeling_dflash.py": 0o644}
 
 
 def test_export_replaces_an_older_export_and_leaves_no_temporary_folders(tmp_path):

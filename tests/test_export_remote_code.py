@@ -1,0 +1,202 @@
+"""The export through Transformers' trust_remote_code path: AutoModel builds the DFlash drafter from
+the exported weights and computes what the trainer's own model computes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafter_trainer.blocks import BlockBatch, build_blocks
+from drafter_trainer.export import export_drafter
+from test_drafter_model import MASK, make_batch, make_model, tiny_config
+
+# fp32 on both sides, the same operations in a different order (dense SDPA against the trainer's
+# per-segment softmax): rounding differences of a few ulp per op, over 2 layers of width 64.
+TOL = 1e-5
+
+
+def _config():
+    # GQA (4 query heads on 2 kv heads), a sliding-window layer narrower than the context, and a
+    # full-attention layer: every branch of the mask rule is exercised.
+    return tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(trainer model, AutoModel-loaded drafter, loading info, export dir), fp32 export."""
+    from transformers import AutoModel
+
+    trainer_model = make_model(_config()).eval()
+    out = tmp_path_factory.mktemp("remote") / "export"
+    export_drafter(trainer_model, str(out), dtype=torch.float32)
+    draft, info = AutoModel.from_pretrained(str(out), trust_remote_code=True, output_loading_info=True)
+    return trainer_model, draft.eval(), info, out
+
+
+def _blocks(doc_lens: list[int], anchors: list[int], pad_to: int | None = None):
+    batch = make_batch(doc_lens)
+    blocks = build_blocks(batch, torch.tensor(anchors), 4, MASK, 7.0, pad_to=pad_to)
+    return batch, blocks
+
+
+def _remote_forward(draft, hidden: torch.Tensor, blocks: BlockBatch, **kwargs) -> torch.Tensor:
+    return draft(hidden, blocks.block_positions, context_position_ids=blocks.context_positions,
+                 context_sequence_ids=blocks.context_doc, block_sequence_ids=blocks.anchor_doc, **kwargs)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
+    abs_err = (got - want).abs().max().item()
+    rel_err = abs_err / want.abs().max().item()
+    assert abs_err <= TOL and rel_err <= TOL, (abs_err, rel_err)
+
+
+def test_auto_model_builds_the_dflash_drafter_with_exactly_the_exported_weights(exported):
+    trainer_model, draft, info, out = exported
+    assert type(draft).__name__ == "DFlashDraftModel" and type(draft).__module__.endswith("modeling_dflash")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    on_disk = load_file(str(out / "model.safetensors"))
+    loaded = draft.state_dict()
+    assert set(loaded) == set(on_disk) == set(trainer_model.trainable_state_dict())
+    for name, tensor in on_disk.items():      # bit for bit: nothing re-initialised after loading
+        assert torch.equal(loaded[name], tensor), name
+        assert torch.equal(tensor, trainer_model.trainable_state_dict()[name]), name
+    assert draft.target_layer_ids == [1, 3, 5] and draft.mask_token_id == MASK and draft.block_size == 4
+
+
+def test_remote_forward_equals_the_trainers_forward_on_two_documents_and_several_blocks(exported):
+    trainer_model, draft, _, _ = exported
+    # Documents of 14 and 13 tokens; blocks anchored early, mid and late in each, one at the
+    # first token of document 1 (no context at all), two padding blocks (no document).
+    batch, blocks = _blocks([14, 13], [2, 7, 10, 14, 20, 23], pad_to=8)
+    assert blocks.anchor_doc.tolist() == [0, 0, 0, 1, 1, 1, -1, -1]
+    draft.set_target_embeddings(trainer_model.embed_tokens.weight, trainer_model.lm_head.weight)
+    with torch.no_grad():
+        want = trainer_model(batch.hidden, blocks.block_input_ids, blocks)
+        by_ids = _remote_forward(draft, batch.hidden, blocks, input_ids=blocks.block_input_ids)
+        embeds = torch.nn.functional.embedding(blocks.block_input_ids, trainer_model.embed_tokens.weight)
+        by_embeds = _remote_forward(draft, batch.hidden, blocks, inputs_embeds=embeds)
+        concatenated = batch.hidden.permute(1, 0, 2).reshape(batch.hidden.shape[1], -1)   # [T, k*H]
+        by_concat = _remote_forward(draft, concatenated, blocks, input_ids=blocks.block_input_ids)
+    assert want.abs().max() > 0.5                     # a real signal, not near-zero outputs
+    _assert_close(by_ids, want)
+    assert torch.equal(by_embeds, by_ids) and torch.equal(by_concat, by_ids)
+    with torch.no_grad():
+        _assert_close(draft.compute_logits(by_ids), trainer_model.compute_logits(want))
+
+
+def test_serve_time_call_one_sequence_no_ids_equals_the_trainers_block(exported):
+    """At serve time the context is the sequence so far and one block follows it: no sequence ids,
+    context positions 0..T-1 by default."""
+    trainer_model, draft, _, _ = exported
+    batch, blocks = _blocks([20], [13])
+    draft.set_target_embeddings(trainer_model.embed_tokens.weight, trainer_model.lm_head.weight)
+    with torch.no_grad():
+        want = trainer_model(batch.hidden, blocks.block_input_ids, blocks)
+        got = draft(batch.hidden[:, :13], blocks.block_positions, input_ids=blocks.block_input_ids)
+    assert blocks.block_positions.tolist() == [[13, 14, 15, 16]]
+    _assert_close(got, want)
+
+
+def test_the_context_is_felt_so_the_comparison_can_fail(exported):
+    """Guards the comparison above: dropping the other document's rule or the context changes the output."""
+    trainer_model, draft, _, _ = exported
+    batch, blocks = _blocks([14, 13], [10, 20])
+    draft.set_target_embeddings(trainer_model.embed_tokens.weight, trainer_model.lm_head.weight)
+    with torch.no_grad():
+        right = _remote_forward(draft, batch.hidden, blocks, input_ids=blocks.block_input_ids)
+        one_sequence = draft(batch.hidden, blocks.block_positions, input_ids=blocks.block_input_ids,
+                             context_position_ids=blocks.context_positions)
+    assert (right[1] - one_sequence[1]).abs().max() > 1e-3
+
+
+def test_without_the_targets_embedding_token_ids_and_logits_are_refused(tmp_path):
+    from transformers import AutoModel
+
+    export_drafter(make_model(_config()), str(tmp_path / "out"), dtype=torch.float32)
+    draft = AutoModel.from_pretrained(str(tmp_path / "out"), trust_remote_code=True)
+    assert not any("embed" in name or "lm_head" in name for name in draft.state_dict())
+    batch, blocks = _blocks([9], [3])
+    with pytest.raises(RuntimeError, match="set_target_embeddings"):
+        draft(batch.hidden, blocks.block_positions, input_ids=blocks.block_input_ids)
+    with pytest.raises(RuntimeError, match="lm_head"):
+        draft.compute_logits(torch.zeros(1, 64))
+    with pytest.raises(ValueError, match=r"\[97, 64\]"):
+        draft.set_target_embeddings(torch.zeros(96, 64))
+    draft.set_target_embeddings(torch.zeros(97, 64))
+    with pytest.raises(ValueError, match="token ids in \\[0, 97\\] outside the 97-token vocabulary"):
+        draft(batch.hidden, blocks.block_positions, input_ids=torch.tensor([[97, 0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"target_hidden has shape \(2, 9, 64\)"):
+        draft(batch.hidden[:2], blocks.block_positions, inputs_embeds=torch.zeros(1, 4, 64))
+
+
+def test_config_keeps_what_serving_engines_read_and_adds_only_auto_model(exported):
+    from transformers import AutoConfig
+
+    _, _, _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    # no AutoConfig entry: config readers (SGLang, vLLM, even with --trust-remote-code) get a
+    # plain Qwen3Config and never execute the exported file
+    assert type(AutoConfig.from_pretrained(str(out), trust_remote_code=True)).__name__ == "Qwen3Config"
+    source = (out / "modeling_dflash.py").read_text()
+    imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports == {"__future__", "torch", "torch.nn.functional", "transformers"}
+
+
+def test_the_readme_transformers_flow_on_a_real_target_matches_the_trainer(tmp_path):
+    """README "Serving the exported drafter", Transformers: context from HF hidden_states[l + 1],
+    the block after it, logits through the target's head == the trainer's model on the states its
+    capture (a hook on decoder layer l) records."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from common.batch import PackedBatch
+    from common.config import DrafterConfig
+    from drafter_trainer.model import DFlashConfig
+    from target_server.tiny import build_tiny_target
+
+    target_dir = build_tiny_target(str(tmp_path / "target"), arch="qwen3", vocab_size=128, hidden_size=64)
+    target_config = json.loads((tmp_path / "target" / "config.json").read_text())
+    cfg = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=2, block_size=4), None, mask_token_id=127)
+    trainer_model = make_model(cfg).eval()
+    trainer_model.load_target_head(target_dir)
+    export_drafter(trainer_model, str(tmp_path / "export"), dtype=torch.float32)
+
+    # the README lines
+    draft = AutoModel.from_pretrained(str(tmp_path / "export"), trust_remote_code=True).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft.set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings())
+    t, b = 11, draft.block_size
+    sequence = torch.randint(0, 127, (1, t + b), generator=torch.Generator().manual_seed(3))
+    ids, next_token = sequence[:, :t], int(sequence[0, t])
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1][0] for i in draft.target_layer_ids], dim=-1)
+        block = torch.tensor([[next_token] + [draft.mask_token_id] * (draft.block_size - 1)])
+        positions = t + torch.arange(draft.block_size)[None]
+        hidden = draft(context, positions, input_ids=block)
+        logits = draft.compute_logits(hidden)
+
+    # the trainer, on what dfpipe's capture records for the whole row, block anchored at t
+    planes: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[layer].register_forward_hook(
+        lambda _m, _a, out, p=p: planes.__setitem__(p, (out[0] if isinstance(out, tuple) else out)[0]))
+        for p, layer in enumerate(cfg.target_layer_ids)]
+    with torch.no_grad():
+        target(sequence)
+    for hook in hooks:
+        hook.remove()
+    n = t + b
+    batch = PackedBatch(hidden=torch.stack([planes[p] for p in range(len(planes))]),
+                        input_ids=sequence[0].to(torch.int32), loss_mask=torch.ones(n, dtype=torch.uint8),
+                        position_ids=torch.arange(n, dtype=torch.int32), doc_lens=torch.tensor([n], dtype=torch.int32),
+                        sample_ids=torch.zeros(1, dtype=torch.int64))
+    blocks = build_blocks(batch, torch.tensor([t]), b, 127, 7.0)
+    with torch.no_grad():
+        want = trainer_model(batch.hidden, blocks.block_input_ids, blocks)
+        want_logits = trainer_model.compute_logits(want)
+    _assert_close(hidden, want)
+    _assert_close(logits, want_logits)
