@@ -12,11 +12,11 @@ Files (one JSON object per line):
     <out>.failed.jsonl  {"input_index": i, "stage": "input" | "request", "error": "...", "attempts": n}
     <out>.meta.json     what shaped the responses (input digest, model, sampling, template kwargs)
 
-Every input row ends up in exactly one of the two JSONL files. Each finished row is written with one
-append + flush, so a killed run leaves at most a partial last line; a rerun drops that line, skips the
-indices already present in either file and does the rest: no row is done twice. Rows are written in
-completion order (`input_index` says which input row each one is). `--retry-failed` clears the failed
-file first so its rows are tried again.
+A finished run puts every non-blank input line in exactly one of the two JSONL files. Each row is
+written with one append + flush, so a killed run leaves at most a partial last line; a rerun drops that
+line, skips the indices already present in either file and does the rest: no row is done twice. Rows
+are written in completion order (`input_index` names the input row). `--retry-failed` clears the
+failed file first so its rows are tried again.
 """
 from __future__ import annotations
 
@@ -232,29 +232,25 @@ def meta_path(out: str) -> str:
 
 def done_indices(path: str) -> set[int]:
     """Input indices already written to `path`, after cutting a partial last line left by a killed run."""
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb") as f:
-        data = f.read()
-    good_end = data.rfind(b"\n") + 1
-    tail = data[good_end:]
-    if tail:
-        try:  # a complete row written without its newline: keep it, add the newline
-            json.loads(tail)[INDEX_KEY]
-            good_end = len(data)
-            with open(path, "ab") as f:
-                f.write(b"\n")
-        except (ValueError, KeyError, TypeError):
-            print(f"dfpipe regenerate: {path}: dropping a partial last line ({len(tail)} bytes) "
-                  f"left by an interrupted run", file=sys.stderr)
-            os.truncate(path, good_end)
     done: set[int] = set()
-    for n, line in enumerate(data[:good_end].splitlines(), 1):
-        try:
-            done.add(int(json.loads(line)[INDEX_KEY]))
-        except (ValueError, KeyError, TypeError):
-            raise RegenerateError(f"{path}:{n} is not a row this command wrote; move the file away "
-                                  f"or pick another --out") from None
+    if not os.path.exists(path):
+        return done
+    good_end = 0  # byte offset just past the last complete line
+    with open(path, "rb") as f:  # streamed: the output of a large run does not fit in memory
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break  # the last line, cut short by a kill in the middle of its write
+            try:
+                done.add(int(json.loads(line)[INDEX_KEY]))
+            except (ValueError, KeyError, TypeError):
+                raise RegenerateError(f"{path}:{n} is not a row this command wrote; move the file away "
+                                      f"or pick another --out") from None
+            good_end += len(line)
+    size = os.path.getsize(path)
+    if size > good_end:
+        print(f"dfpipe regenerate: {path}: dropping a partial last line ({size - good_end} bytes) "
+              f"left by an interrupted run", file=sys.stderr)
+        os.truncate(path, good_end)
     return done
 
 

@@ -73,20 +73,32 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def oracle(server: dict[str, str]):
-    """Greedy answer of the served weights to a conversation, computed in this process."""
+    """The served weights' greedy answer to a conversation, computed in this process: (content, reasoning).
+
+    The generated tokens come from this process's own `generate`; turning them into the message goes
+    through the server's own parser (the Qwen3.5 response template: content ends at <|im_end|>, thinking
+    goes to reasoning_content), since that is the message format the command stores.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.cli.serving.utils import parse_assistant_message
 
     tok = AutoTokenizer.from_pretrained(server["model"])
     model = AutoModelForCausalLM.from_pretrained(server["model"], dtype=torch.float32).eval()
 
-    def answer(messages: list[dict]) -> str:
+    def answer(messages: list[dict]) -> tuple[str, str | None]:
         enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-        # The server strips the decoded answer; the tokens are what is compared.
-        return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        generated = out[0, enc["input_ids"].shape[1]:]
+        content, reasoning, _ = parse_assistant_message(
+            tok, model, generated, enc["input_ids"], cleaned_content=tok.decode(generated, skip_special_tokens=True))
+        return content, reasoning
     return answer
+
+
+def as_answer(turn: dict) -> tuple[str, str | None]:
+    return turn["content"], turn.get("reasoning_content")
 
 
 def regenerate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -151,7 +163,7 @@ def test_every_assistant_turn_is_replaced_by_the_servers_answer_to_the_regenerat
                 assert new_m == old_m  # system / user turns kept as they were
                 continue
             # The answer to the conversation so far, with the *regenerated* earlier assistant turns.
-            assert new_m["content"] == oracle(new[:k]), (i, k)
+            assert as_answer(new_m) == oracle(new[:k]), (i, k)
             assert new_m["content"] != old_m["content"]
             if k > 2:  # a later turn: its answer depends on which earlier answers the prompt holds
                 discriminating += oracle(new[:k]) != oracle(original[:k])
@@ -258,3 +270,78 @@ def test_failing_endpoints_are_retried_counted_written_aside_and_resumable(serve
                    server["model"], "--max-tokens", "2", "--retry-failed")
     assert r.returncode == 0, r.stderr
     assert sorted(row["input_index"] for row in read_jsonl(out3)) == list(range(6))
+
+
+class FlakyProxy:
+    """Answers the first requests with the given error statuses, then forwards to the real server:
+    an overloaded or restarting server as seen from the client."""
+
+    def __init__(self, upstream: str, statuses: list[int]):
+        import http.server
+        import threading
+
+        proxy = self
+        self.statuses, self.seen = list(statuses), []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                status = proxy.statuses.pop(0) if proxy.statuses else 0
+                proxy.seen.append(status or 200)
+                if status:
+                    payload, headers = b'{"error": "busy"}', {"Retry-After": "0"}
+                else:
+                    resp = httpx2.post(upstream + self.path, content=body,
+                                       headers={"Content-Type": "application/json"}, timeout=60)
+                    status, payload, headers = resp.status_code, resp.content, {}
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_overload_statuses_are_retried_until_answered_and_a_bad_request_is_not(server, oracle, tmp_path):
+    src = tmp_path / "chat.jsonl"
+    write_jsonl(src, _demo_rows(1))
+    common = ["--input", str(src), "--model", server["model"], "--temperature", "0",
+              "--max-tokens", str(MAX_TOKENS), "--backoff", "0.01"]
+
+    proxy = FlakyProxy(server["url"], [503, 429, 502])
+    try:
+        out = tmp_path / "retried.jsonl"
+        r = regenerate(*common, "--out", str(out), "--endpoint", proxy.url, "--retries", "3")
+        assert r.returncode == 0, r.stderr
+        assert proxy.seen == [503, 429, 502, 200]
+        (row,) = read_jsonl(out)
+        assert as_answer(row["messages"][1]) == oracle(row["messages"][:1])
+
+        # Out of retries: the row is written aside with the last error and the attempts it took.
+        proxy.statuses, proxy.seen = [503, 503], []
+        out = tmp_path / "gave-up.jsonl"
+        r = regenerate(*common, "--out", str(out), "--endpoint", proxy.url, "--retries", "1")
+        assert r.returncode == 1 and proxy.seen == [503, 503]
+        (failure,) = read_jsonl(Path(f"{out}.failed.jsonl"))
+        assert failure["attempts"] == 2 and "HTTP 503" in failure["error"]
+
+        # A 4xx other than 408 / 429 is the request's fault: no second attempt.
+        proxy.statuses, proxy.seen = [422], []
+        out = tmp_path / "bad-request.jsonl"
+        r = regenerate(*common, "--out", str(out), "--endpoint", proxy.url, "--retries", "3")
+        assert r.returncode == 1 and proxy.seen == [422]
+        (failure,) = read_jsonl(Path(f"{out}.failed.jsonl"))
+        assert failure["attempts"] == 1 and "HTTP 422" in failure["error"]
+    finally:
+        proxy.close()
