@@ -6,6 +6,8 @@ between training data and serving costs acceptance. So each conversation is walk
 every assistant turn, the conversation so far (system / user / tool turns and the *regenerated* earlier
 assistant turns) goes to an OpenAI-compatible `/v1/chat/completions` endpoint (vLLM, SGLang,
 `transformers serve`), and the answer (content, `reasoning_content`, tool calls) takes the turn's place.
+Tool turns are kept as they are: they answer the original turn's calls, which a regenerated turn may
+not repeat word for word.
 
 Files (one JSON object per line):
     <out>               {"input_index": i, "messages": [...], ...other keys of input row i}
@@ -33,9 +35,13 @@ from typing import Any, Iterator
 import httpx2
 
 INDEX_KEY = "input_index"
-# Statuses worth another attempt: the server is overloaded, restarting or timed out, not refusing the request.
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 BACKOFF_CAP_S = 60.0
+
+
+def retryable(status: int) -> bool:
+    """Worth another attempt: the server (or a proxy) is overloaded, restarting or timed out. Any other
+    4xx means the request itself is wrong (unknown model, context too long): retrying cannot help."""
+    return status >= 500 or status in (408, 429)
 
 
 class RegenerateError(Exception):
@@ -143,11 +149,13 @@ def request_body(s: Settings, messages: list[dict[str, Any]], tools: Any = None)
 
 
 def _error_text(resp: httpx2.Response) -> str:
+    """`HTTP <status>: <the server's message>` (FastAPI says `detail`, vLLM and SGLang say `error`)."""
     try:
         detail = resp.json()
-        detail = detail.get("detail") or detail.get("error") or detail if isinstance(detail, dict) else detail
     except ValueError:
         detail = resp.text
+    if isinstance(detail, dict):
+        detail = detail.get("detail") or detail.get("error") or detail
     return f"HTTP {resp.status_code}: {str(detail)[:500]}"
 
 
@@ -163,7 +171,8 @@ def _retry_delay(s: Settings, attempt: int, resp: httpx2.Response | None) -> flo
 
 
 async def chat(client: httpx2.AsyncClient, s: Settings, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(the assistant message, finish_reason) for one request, retried on connection errors, 5xx and 429."""
+    """(the assistant message, finish_reason) for one request, retried on connection errors and `retryable`
+    statuses with exponential backoff."""
     attempts = 0
     while True:
         attempts += 1
@@ -173,8 +182,8 @@ async def chat(client: httpx2.AsyncClient, s: Settings, body: dict[str, Any]) ->
             if resp.status_code == 200:
                 break
             error = _error_text(resp)
-            if resp.status_code not in RETRY_STATUSES:
-                raise RequestFailed(error, attempts)  # the request itself is wrong: retrying cannot help
+            if not retryable(resp.status_code):
+                raise RequestFailed(error, attempts)
         except httpx2.TransportError as e:  # refused, reset, timed out: the server may come back
             error = f"{type(e).__name__}: {e}"
         except httpx2.HTTPError as e:  # a redirect loop, an undecodable body: not transient
@@ -212,7 +221,7 @@ async def regenerate_conversation(client: httpx2.AsyncClient, s: Settings, messa
         if m["role"] != "assistant":
             out.append(m)
             continue
-        answer, finish_reason = await chat(client, s, request_body(s, out, tools))
+        answer, finish_reason = await chat(client, s, request_body(s, list(out), tools))
         truncated += finish_reason == "length"
         out.append(regenerated_turn(answer))
     return out, truncated
