@@ -82,6 +82,11 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return run(args, _config(args))
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from .regenerate import main as regenerate_main
+    return regenerate_main(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .export_cmd import export_checkpoint
     out = export_checkpoint(_config(args), args.checkpoint, args.out, args.target)
@@ -159,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_arguments(p)
     _add_config(p)
     p.set_defaults(fn=cmd_prepare_data)
+
+    p = sub.add_parser("regenerate", help="replace every assistant turn of a chat JSONL with the target's own "
+                                          "answers, from an OpenAI-compatible server (vLLM, SGLang, transformers serve)")
+    from .regenerate import add_arguments as regenerate_arguments
+    regenerate_arguments(p)
+    p.set_defaults(fn=cmd_regenerate)
 
     p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")
     _add_config(p)
