@@ -121,7 +121,7 @@ class Dispatcher:
 
     def pending_count(self) -> int:
         with self._cond:
-            return len(self._pending)
+            return self._pending.size
 
     def pending_heldout(self) -> list[int]:
         with self._cond:

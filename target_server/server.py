@@ -24,6 +24,7 @@ next session.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -63,6 +64,9 @@ class TargetServer:
                          "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
+        # messages refused because of who sent them or what they claim (not malformed: those are
+        # the channel's bad_messages), by reason; none of them changes a session
+        self.refused: collections.Counter[str] = collections.Counter()
         # (worker, slot) -> (producer epoch, pub_seq) last announced from it: a publication lives in
         # one slot until it is acked or discarded, so this tells a redelivery apart in bounded memory
         self.announced_from_slot: dict[tuple[int, int], tuple[int, int]] = {}
@@ -171,7 +175,7 @@ class TargetServer:
         s = self.session
         with self._lock:
             counters = dict(self.counters)
-            quarantined = len(self.quarantined)
+            quarantined = self.quarantined.size
             heldout_quarantined = len(self.heldout_quarantined)
         counters["bad_messages"] = sum(self.channel.bad_messages.values()) if self.channel else 0
         return {
@@ -195,11 +199,12 @@ class TargetServer:
                         "pending": len(self.dispatcher.pending_heldout())},
             "session": None if s is None else {
                 "job": s.job, "ranks": sorted(p.rank for p in s.peers.values()), "epochs": s.epochs,
-                "have": len(s.have), "delivered": len(s.delivered), "committed": len(s.committed),
+                "have": s.have.size, "delivered": s.delivered.size, "committed": s.committed.size,
                 "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned),
                 "heldout_acked": len(s.heldout_acked)},
             "sessions": counters["sessions"], "fenced": counters["fenced"],
             "bad_messages": counters["bad_messages"],
+            "refused": dict(self.refused),
             "stages": self.stages.snapshot(),
         }
 
@@ -243,7 +248,7 @@ class TargetServer:
         self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
         log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
-                 hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], self.dispatcher.pending_count())
+                 hello.job, epoch, s.have.size, self.plan.starts[hello.epochs], self.dispatcher.pending_count())
         return s
 
     def _replan(self) -> None:
@@ -286,12 +291,20 @@ class TargetServer:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
                                           error=f"target server is {self.state}; not serving yet"))
             return
+        self._plan_epochs(msg.epochs)
+        planned = self.plan.starts[msg.epochs]
+        if msg.have.end > planned:
+            # A have set is what the trainer trained of this plan: seqs beyond it are a stranger's
+            # or another plan's, and would end epochs that were never trained.
+            self._refuse(peer, msg.rid, "out_of_plan",
+                         f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
+                         f"epoch(s) of this plan hold seqs [0, {planned})")
+            return
         s = self.session
         if s is not None and s.job != msg.job:
             alive = [p for p in s.peers.values() if self._peer_alive(p)]
             if alive:
-                self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
-                                              error=f"another trainer session ({s.job}, pid {alive[0].pid}) is active"))
+                self._refuse(peer, msg.rid, "busy", f"another trainer session ({s.job}, pid {alive[0].pid}) is active")
                 return
             self._end_session("replaced by a new trainer session")
             s = None
@@ -323,6 +336,16 @@ class TargetServer:
                                         target=self.target_info, epoch_sizes=self.plan.sizes[: s.epochs],
                                         ready=ready, heldout_batches=self.heldout_count))
         self._announce()
+
+    def _refuse(self, peer: bytes, rid: int | None, reason: str, error: str) -> None:
+        """Count, log (the first few of each reason, then 1 in 1000) and answer a refused message;
+        the session is not touched."""
+        self.refused[reason] += 1
+        n = self.refused[reason]
+        if n <= 10 or n % 1000 == 0:
+            log.warning("refused (%s, #%d): %s", reason, n, error)
+        if rid is not None:
+            self.channel.send(peer, Reply(rid=rid, ok=False, result={}, error=error))
 
     def _peer_alive(self, p: RankPeer) -> bool:
         if time.monotonic() - p.last_seen > self.cfg.service.lease_s:
@@ -453,7 +476,7 @@ class TargetServer:
         self._touch(peer)
         s.committed = msg.have.copy()
         s.last_commit_step = msg.step
-        self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": len(s.committed)}, error=""))
+        self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": s.committed.size}, error=""))
 
     def _touch(self, peer: bytes) -> None:
         if self.session is not None and peer in self.session.peers:
