@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -52,10 +53,13 @@ class RingFeed:
     """Batches for one trainer rank, in the order the target server announced them."""
 
     def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
-                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None) -> None:
-        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0)."""
+                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None, *,
+                 secret: str) -> None:
+        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0);
+        secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged)."""
         self.cfg = cfg
         self.rank, self.world, self.job = rank, world, job
+        self._secret = secret
         self.wants_heldout = (rank == 0 and cfg.train.eval_every > 0) if heldout is None else heldout
         self._heldout: dict[int, PackedBatch] = {}   # held-out index -> batch on the device
         self.heldout_expected = 0                    # Welcome.heldout_batches of the current server
@@ -130,7 +134,10 @@ class RingFeed:
     # ---- I/O thread --------------------------------------------------------------------------
     def _run(self) -> None:
         svc = self.cfg.service
-        chan = DealerChannel(svc.target_endpoint, max_bytes=svc.max_message_bytes)
+        # An identity nobody can guess: the server addresses this rank by it, and a connection that
+        # claimed a known identity would take over the rank's announcements (ROUTER_HANDOVER).
+        chan = DealerChannel(svc.target_endpoint, identity=f"rank{self.rank}-{secrets.token_hex(8)}".encode(),
+                             max_bytes=svc.max_message_bytes)
         try:
             self._hello(chan)
             last_hello = time.monotonic()
@@ -165,7 +172,7 @@ class RingFeed:
             # This HELLO declares every queued batch as held, so a FENCED for the session it replaces
             # (already on its way to us) must not drop them: the next session will not resend them.
             self._superseded_epoch = self.consumer_epoch
-        chan.send(Hello(rid=next_rid(), job=self.job, rank=self.rank, world=self.world, pid=os.getpid(),
+        chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world, pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout))
 
@@ -291,7 +298,7 @@ class RingFeed:
 
     def _ack(self, chan: DealerChannel, a: Announce) -> None:
         self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
-        chan.send(Ack(consumer_epoch=a.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
 
     def _take(self, chan: DealerChannel, a: Announce) -> None:
         batch = self._read(a)
@@ -358,4 +365,5 @@ class RingFeed:
             except queue.Empty:
                 return
             if self.consumer_epoch >= 0:
-                chan.send(Commit(rid=next_rid(), consumer_epoch=self.consumer_epoch, have=have, step=step))
+                chan.send(Commit(rid=next_rid(), consumer_epoch=self.consumer_epoch, secret=self._secret,
+                                 have=have, step=step))

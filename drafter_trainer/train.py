@@ -43,6 +43,7 @@ import torch.distributed as dist
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
+from common.protocol import new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
@@ -416,6 +417,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         have = self._resume()
         job = self.ranks.broadcast_str(f"{uuid.uuid4().hex[:12]}-{os.getpid()}")
+        # rank 0 draws the session secret and the ranks share it like the job: only they may join,
+        # ack into, commit to or widen the session on the target server (never logged or shown)
+        secret = self.ranks.broadcast_str(new_session_secret())
         t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
@@ -423,7 +427,8 @@ class Trainer:
             self.control.start()
             start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
         self.state = "waiting_for_target"
-        self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs)
+        self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs,
+                             secret=secret)
         t_connect = time.perf_counter()
         self.startup["resume_and_endpoints_s"] = t_connect - t0
         self.feed.launch()

@@ -39,7 +39,7 @@ from common.config import Config
 from common.liveness import pid_alive
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError,
-                             Reply, RingInfo, Welcome, next_rid)
+                             Reply, RingInfo, Welcome, next_rid, same_secret, secret_tag)
 from common.ring import SlotState
 from common.seqset import SeqSet
 
@@ -242,13 +242,14 @@ class TargetServer:
             if w.ring is not None:
                 w.ring.set_consumer_epoch(epoch)
         self._plan_epochs(hello.epochs)
-        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy())
+        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy(),
+                    secret=hello.secret)
         self.session = s
         self.counters["sessions"] += 1
         self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
-        log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
-                 hello.job, epoch, s.have.size, self.plan.starts[hello.epochs], self.dispatcher.pending_count())
+        log.info("trainer session %s (secret #%s): consumer epoch %d, %d of %d seqs already held, %d to compute",
+                 hello.job, secret_tag(hello.secret), epoch, s.have.size, self.plan.starts[hello.epochs], self.dispatcher.pending_count())
         return s
 
     def _replan(self) -> None:
@@ -301,6 +302,12 @@ class TargetServer:
                          f"epoch(s) of this plan hold seqs [0, {planned})")
             return
         s = self.session
+        if s is not None and s.job == msg.job and not same_secret(msg.secret, s.secret):
+            # The job is public (status shows it), the secret is not: whoever this is, it is not a
+            # rank of that trainer. It must not join, widen, or become a peer whose death ends it.
+            self._refuse(peer, msg.rid, "not_member",
+                         f"hello refused: not a member of trainer session {s.job} (wrong session secret)")
+            return
         if s is not None and s.job != msg.job:
             alive = [p for p in s.peers.values() if self._peer_alive(p)]
             if alive:
@@ -464,6 +471,10 @@ class TargetServer:
             self.channel.send(peer, Fenced(consumer_epoch=msg.consumer_epoch,
                                            reason="ack for a session that has ended"))
             return
+        if not self._is_member(peer, msg.secret):
+            self._refuse(peer, None, "not_member", f"ack of slot {msg.slot} (worker {msg.worker}) from a "
+                                                   f"connection that is no rank of session {s.job}")
+            return
         self._touch(peer)
         self._sync_deliveries()
         self._announce()
@@ -473,10 +484,20 @@ class TargetServer:
         if s is None or msg.consumer_epoch != s.consumer_epoch:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={}, error="fenced: session has ended"))
             return
+        if not self._is_member(peer, msg.secret):
+            self._refuse(peer, msg.rid, "not_member",
+                         f"commit refused: this connection is no rank of trainer session {s.job}")
+            return
         self._touch(peer)
         s.committed = msg.have.copy()
         s.last_commit_step = msg.step
         self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": s.committed.size}, error=""))
+
+    def _is_member(self, peer: bytes, secret: str) -> bool:
+        """A rank of the current session: it joined with a HELLO (so its connection is a peer) and
+        this message carries the session's secret."""
+        s = self.session
+        return s is not None and peer in s.peers and same_secret(secret, s.secret)
 
     def _touch(self, peer: bytes) -> None:
         if self.session is not None and peer in self.session.peers:

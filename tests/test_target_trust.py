@@ -3,6 +3,7 @@ strangers who know the session's job (shown in `ctl target status`) trying to jo
 commit or fence it. None of them may change the trainer's session; each is refused and counted."""
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -11,9 +12,10 @@ import pytest
 
 from common.channel import DealerChannel
 from common.liveness import process_start_time
-from common.protocol import Hello, Reply, next_rid
+from common.protocol import Ack, Commit, Hello, Reply, new_session_secret, next_rid, secret_tag
 from common.seqset import SEQ_LIMIT, SeqSet
 from e2e import Service, ctl, load, wait_for, write_config
+from test_target_server import ScriptedConsumer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,7 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     service = Service("target-server", config, tmp)
     try:
         status = wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
-        yield cfg["service"]["target_endpoint"], service, status
+        yield cfg["service"]["target_endpoint"], service, status, cfg["service"]
     finally:
         service.stop()
     assert service.proc.returncode == 0, service.log()
@@ -47,13 +49,13 @@ def _answer(chan: DealerChannel, kind: type, timeout: float = 10):
 
 
 def test_a_hello_holding_seqs_beyond_the_plan_is_refused_and_the_server_keeps_serving(server) -> None:
-    endpoint, service, status = server
+    endpoint, service, status, _ = server
     planned = sum(status["epoch_sizes"])
     stand_in = subprocess.Popen(["sleep", "600"])
     try:
         for have in (SeqSet.from_ranges([(0, SEQ_LIMIT)]), SeqSet([planned])):
             chan = DealerChannel(endpoint)
-            chan.send(Hello(rid=next_rid(), job="greedy", rank=0, world=1, pid=stand_in.pid,
+            chan.send(Hello(rid=next_rid(), job="greedy", secret=new_session_secret(), rank=0, world=1, pid=stand_in.pid,
                             start_time=process_start_time(stand_in.pid), have=have, epochs=1, credit=2,
                             heldout=False))
             reply = _answer(chan, Reply)
@@ -67,3 +69,62 @@ def test_a_hello_holding_seqs_beyond_the_plan_is_refused_and_the_server_keeps_se
     finally:
         stand_in.kill()
         stand_in.wait()
+
+
+def test_a_stranger_who_knows_the_job_cannot_join_widen_fence_ack_or_commit(server) -> None:
+    endpoint, service, status, svc = server
+    planned = sum(status["epoch_sizes"])
+    alive = subprocess.Popen(["sleep", "600"])      # the trainer's and a live stranger's liveness
+    dead = subprocess.Popen(["true"])
+    dead_identity = (dead.pid, process_start_time(dead.pid) or 1)
+    dead.wait()
+    trainer = ScriptedConsumer(endpoint, SeqSet(), job="trainer-job", identity=(alive.pid, process_start_time(alive.pid)))
+    try:
+        got = trainer.take(1)
+        before = ctl(endpoint, "status")
+        session = before["session"]
+        assert session["job"] == "trainer-job" and session["ranks"] == [0], "what a stranger reads in status"
+        epoch = before["consumer_epoch"]
+        stranger = DealerChannel(endpoint)
+
+        def hello(pid: int, start: int, have: SeqSet) -> Reply:
+            stranger.send(Hello(rid=next_rid(), job=session["job"], secret=new_session_secret(), rank=0, world=1,
+                                pid=pid, start_time=start, have=have, epochs=1, credit=2, heldout=False))
+            return _answer(stranger, Reply)
+
+        # 1. the job and a dead pid: joining would make the dead pid end the trainer's session
+        refused = hello(*dead_identity, SeqSet())
+        assert not refused.ok and "not a member" in refused.error
+        # 2. the job, a live pid and every seq: widening would end the epoch the trainer is training
+        refused = hello(alive.pid, process_start_time(alive.pid), SeqSet.from_ranges([(0, planned)]))
+        assert not refused.ok and "not a member" in refused.error
+        # 3. a COMMIT claiming a checkpoint of everything
+        stranger.send(Commit(rid=next_rid(), consumer_epoch=epoch, secret=new_session_secret(),
+                             have=SeqSet.from_ranges([(0, planned)]), step=10 ** 6))
+        refused = _answer(stranger, Reply)
+        assert not refused.ok and "no rank of trainer session" in refused.error
+        # 4. an ACK of a slot it was never announced
+        stranger.send(Ack(consumer_epoch=epoch, secret=new_session_secret(), worker=0, slot=0, pub_seq=1, seq=0))
+        counted = wait_for(lambda: (s := ctl(endpoint, "status")) and s["refused"].get("not_member", 0) >= 4 and s,
+                           10, "the stranger's four messages refused")
+        stranger.close()
+        time.sleep(3 * svc["heartbeat_s"])  # a joined dead pid would have fenced the trainer by then
+
+        after = ctl(endpoint, "status")
+        assert after["refused"]["not_member"] == 4 == counted["refused"]["not_member"]
+        assert after["consumer_epoch"] == epoch and after["fenced"] == before["fenced"]
+        assert after["sessions"] == before["sessions"]
+        assert after["session"]["ranks"] == [0] and after["session"]["have"] == 0
+        assert after["session"]["committed"] == 0 and after["session"]["job"] == "trainer-job"
+        # the trainer's session goes on untouched: every remaining seq once, the epoch ends after the last
+        rest = trainer.take(planned)
+        assert trainer.ended and sorted(got + rest) == list(range(planned))
+        final = ctl(endpoint, "status")
+        assert final["fenced"] == before["fenced"] and final["consumer_epoch"] == epoch
+        shown = json.dumps(final) + service.log(tail=10_000)
+        assert trainer.secret not in shown, "the session secret is never shown in status or logs"
+        assert secret_tag(trainer.secret) in service.log(tail=10_000), "its short hash tells sessions apart"
+    finally:
+        trainer.close()
+        alive.kill()
+        alive.wait()
