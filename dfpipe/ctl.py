@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any
 
-from common.channel import RequestTimeout, request
+from common.channel import CurveKeys, RequestTimeout, request
 from common.config import Config
 from common.protocol import Control, Reply, next_rid
 
@@ -15,10 +15,12 @@ class ControlError(RuntimeError):
 
 
 def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
-            args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One control request; a clear error (never a hang) when the service does not answer."""
+            args: dict[str, Any] | None = None, curve: CurveKeys | None = None) -> dict[str, Any]:
+    """One control request; a clear error (never a hang) when the service does not answer.
+    curve: the CURVE keys of a tcp:// endpoint outside loopback (`CurveKeys.from_config`)."""
     try:
-        reply = request(endpoint, Control(rid=next_rid(), cmd=command, args=args or {}), timeout_s=timeout_s)
+        reply = request(endpoint, Control(rid=next_rid(), cmd=command, args=args or {}), timeout_s=timeout_s,
+                        curve=curve)
     except RequestTimeout as e:
         raise SystemExit(f"dfpipe ctl: {service} at {endpoint} did not answer within {timeout_s:g}s: {e}") from None
     if not isinstance(reply, Reply):
@@ -28,9 +30,10 @@ def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
     return reply.result
 
 
-def try_status(endpoint: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
+def try_status(endpoint: str, timeout_s: float = 1.0, curve: CurveKeys | None = None) -> dict[str, Any] | None:
     try:
-        reply = request(endpoint, Control(rid=next_rid(), cmd="status", args={}), timeout_s=timeout_s, retries=0)
+        reply = request(endpoint, Control(rid=next_rid(), cmd="status", args={}), timeout_s=timeout_s, retries=0,
+                        curve=curve)
     except RequestTimeout:
         return None
     return reply.result if isinstance(reply, Reply) and reply.ok else None
@@ -77,8 +80,8 @@ def top(cfg: Config, interval: float = 1.0, iterations: int = 0) -> int:
     n = 0
     try:
         while True:
-            target = try_status(cfg.service.target_endpoint)
-            trainer = try_status(cfg.service.trainer_endpoint)
+            target = try_status(cfg.service.target_endpoint, curve=CurveKeys.from_config(cfg))
+            trainer = try_status(cfg.service.trainer_endpoint, curve=CurveKeys.from_config(cfg))
             stamp = time.strftime("%H:%M:%S")
             if sys.stdout.isatty():
                 sys.stdout.write("\x1b[2J\x1b[H")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from common.batch import BatchError, PackedBatch, check_batch
-from common.channel import DealerChannel
+from common.channel import CurveKeys, DealerChannel
 from common.config import Config
 from common.liveness import process_start_time
 from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, Reply, Welcome,
@@ -137,7 +137,7 @@ class RingFeed:
         # An identity nobody can guess: the server addresses this rank by it, and a connection that
         # claimed a known identity would take over the rank's announcements (ROUTER_HANDOVER).
         chan = DealerChannel(svc.target_endpoint, identity=f"rank{self.rank}-{secrets.token_hex(8)}".encode(),
-                             max_bytes=svc.max_message_bytes)
+                             max_bytes=svc.max_message_bytes, curve=CurveKeys.from_config(self.cfg))
         try:
             self._hello(chan)
             last_hello = time.monotonic()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.channel import CurveKeys
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
@@ -423,7 +424,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
-                                          cfg.service.max_message_bytes)
+                                          cfg.service.max_message_bytes, CurveKeys.from_config(cfg))
             self.control.start()
             start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
         self.state = "waiting_for_target"

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from common.channel import RouterChannel
+from common.channel import CurveKeys, RouterChannel
 from common.config import Config
 from common.liveness import pid_alive
 from common.metrics import StageTimes, start_metrics_server
@@ -149,7 +149,8 @@ class TargetServer:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
         self.channel = RouterChannel(self.cfg.service.target_endpoint,
                                      hwm=max(64, 4 * self.cfg.ring.slots * len(t.devices)),
-                                     max_bytes=self.cfg.service.max_message_bytes)
+                                     max_bytes=self.cfg.service.max_message_bytes,
+                                     curve=CurveKeys.from_config(self.cfg))
         start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
         with self.stages.time("data_prepare"):
             self._load_data()

@@ -128,3 +128,12 @@ def test_a_stranger_who_knows_the_job_cannot_join_widen_fence_ack_or_commit(serv
         trainer.close()
         alive.kill()
         alive.wait()
+
+
+def test_a_target_server_on_a_public_tcp_endpoint_without_curve_keys_is_refused_at_start(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=10, service={"target_endpoint": "tcp://0.0.0.0:*"})
+    service = Service("target-server", config, tmp_path)
+    assert service.wait(120) == 1
+    log = service.log()
+    assert "outside loopback" in log and "curve_server_key" in log
+    assert "layers kept" not in log, "refused before the target model is loaded"
