@@ -53,6 +53,34 @@ def epoch_stats(trained_samples: dict[int, np.ndarray]) -> dict[str, dict[str, i
             for e in sorted(trained_samples)}
 
 
+def _write_error(error: BaseException) -> OSError | None:
+    """The OSError a failed write raised inside `error`'s chain of exceptions, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _save_state(state: dict[str, Any], f: Any) -> None:
+    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write.
+
+    torch's zip writer lets the write's OSError (ENOSPC) out of the record it was writing, then
+    closing the archive raises RuntimeError("unexpected pos ...") over it: that RuntimeError is a
+    write failure and becomes an OSError. A RuntimeError with no failed write under it (a bug, a
+    device error while copying a tensor out) is not one and stays what it is."""
+    try:
+        torch.save(state, f)
+    except RuntimeError as e:
+        failed = _write_error(e)
+        if failed is None:
+            raise
+        raise OSError(failed.errno, f"writing {getattr(f, 'name', 'state.pt')}: {failed.strerror or failed}") from e
+
+
 def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> str:
     root = checkpoint_root(out_dir)
     os.makedirs(root, exist_ok=True)
@@ -63,7 +91,7 @@ def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[s
         os.makedirs(tmp)
         fault_error("checkpoint.write")
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, f)
+            _save_state(state, f)
             f.flush()
             os.fsync(f.fileno())
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
