@@ -4,12 +4,17 @@
         state.pt     weights (trainable only), optimizer, schedule, RNG, step
         meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash
     <out_dir>/checkpoints/.tmp-step-00000120-<pid>/   being written; ignored and swept on start
+    <out_dir>/trainer.lock                      held (flock) by the one trainer using out_dir
 
 A `kill -9` at any moment leaves either the previous complete checkpoint or the new one, never a
-half-written one that `latest_checkpoint` would pick.
+half-written one that `latest_checkpoint` would pick. One trainer at a time: `lock_out_dir` comes
+before anything in out_dir is read or swept, so a second trainer (another config, another
+endpoint) never sweeps the first one's checkpoint in progress or overwrites its checkpoints.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +28,34 @@ from common.faults import fault_error, fault_point
 from common.seqset import SeqSet
 
 PREFIX = "step-"
+
+
+LOCK_NAME = "trainer.lock"
+
+
+class OutDirInUse(RuntimeError):
+    """Another live process holds out_dir's lock."""
+
+
+def lock_out_dir(out_dir: str) -> int:
+    """Take out_dir's trainer lock (flock on out_dir/trainer.lock) or raise OutDirInUse naming the
+    holder. Returns the fd: the lock lasts as long as it is open, i.e. until the process ends,
+    however it ends (the kernel drops a dead process's flock, so a stale file never blocks)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise OutDirInUse(f"{out_dir} is in use by another trainer (pid {holder}, holding {path}); "
+                          "one trainer per train.out_dir: stop it first or use another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def fsync_path(path: str) -> None:

@@ -48,7 +48,8 @@ from common.protocol import new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import epoch_stats, latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
+from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_checkpoint, lock_out_dir, sample_stats,
+                         save_checkpoint, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import export_drafter
@@ -63,6 +64,7 @@ from .warmup import (CompileBehind, compiling_in_background, needs_compiling, pr
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
+EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 
 
@@ -342,7 +344,9 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
-        sweep_partial(self.out_dir) if self.ranks.rank == 0 else None
+        if self.ranks.rank == 0:
+            self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
+            sweep_partial(self.out_dir)
         path = latest_checkpoint(self.out_dir)
         if path is None:
             return SeqSet()
@@ -494,8 +498,12 @@ class Trainer:
     def _next_batch(self, ends_seen: set[int]):
         """This step's batch, or None (epoch markers are consumed here)."""
         if self.flags.drain or self.flags.paused:
+            if self.state == "training":
+                self.state = "paused"    # idle at a step boundary: what status reports (until a batch comes)
             time.sleep(PAUSED_POLL_S)    # not a hot loop: a paused trainer may idle for hours
             return None
+        if self.state == "paused":
+            self.state = "training"      # resumed
         deadline = time.monotonic() + (0.5 if self.ranks.world > 1 else 1.0)
         while time.monotonic() < deadline:
             item = self.feed.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -752,6 +760,9 @@ def main(cfg: Config) -> int:
     try:
         trainer.setup()
         rc = trainer.train_loop()
+    except OutDirInUse as e:
+        log.error("trainer refused: %s", e)
+        rc = EXIT_OUT_DIR_IN_USE
     except Exception as e:
         log.exception("trainer failed: %s", e)
     finally:

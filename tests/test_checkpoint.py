@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_trainer.checkpoint import epoch_stats, list_checkpoints, sample_stats, save_checkpoint
+from drafter_trainer.checkpoint import (OutDirInUse, epoch_stats, list_checkpoints, lock_out_dir, sample_stats,
+                                       save_checkpoint)
 from drafter_trainer.train import Trainer
 
 
@@ -79,3 +80,14 @@ def test_a_runtime_error_that_is_no_failed_write_stays_a_runtime_error(tmp_path:
     with pytest.raises(RuntimeError, match="illegal memory access"):
         save_checkpoint(str(tmp_path), 1, {}, {"step": 1}, keep=1)
     assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_one_trainer_per_out_dir_and_a_dead_holder_never_blocks(tmp_path: Path) -> None:
+    out = str(tmp_path / "run")
+    first = lock_out_dir(out)
+    try:
+        with pytest.raises(OutDirInUse, match=rf"in use by another trainer \(pid {os.getpid()}"):
+            lock_out_dir(out)                # a second open file: flock refuses it as another process
+    finally:
+        os.close(first)                      # what the kernel does when the holder dies, even by kill -9
+    os.close(lock_out_dir(out))
