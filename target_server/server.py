@@ -61,7 +61,7 @@ class TargetServer:
         self.quarantined = SeqSet()
         self.quarantine_log: list[dict[str, Any]] = []
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
-                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0,
+                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0, "bad_messages": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
         # messages refused because of who sent them or what they claim (not malformed: those are
@@ -203,7 +203,7 @@ class TargetServer:
                 "have": s.have.size, "delivered": s.delivered.size, "committed": s.committed.size,
                 "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned),
                 "heldout_acked": len(s.heldout_acked)},
-            "sessions": counters["sessions"], "fenced": counters["fenced"],
+            "sessions": counters["sessions"], "fenced": counters["fenced"], "finished": counters["finished"],
             "bad_messages": counters["bad_messages"],
             "refused": dict(self.refused),
             "stages": self.stages.snapshot(),
@@ -221,11 +221,15 @@ class TargetServer:
     def _is_heldout(info: Any) -> bool:
         return bool(info.meta.get("heldout", False))
 
-    def _end_session(self, reason: str) -> None:
+    def _end_session(self, reason: str, finished: bool = False) -> None:
+        """End the session (fence it): `finished` when its trainer ended normally, after every epoch."""
         s = self.session
         if s is None:
             return
-        log.warning("trainer session %s (consumer epoch %d) ended: %s", s.job, s.consumer_epoch, reason)
+        log.log(logging.INFO if finished else logging.WARNING, "trainer session %s (consumer epoch %d) ended: %s",
+                s.job, s.consumer_epoch, reason)
+        if finished:
+            self.counters["finished"] += 1
         for peer in s.peers.values():
             self.channel.send(peer.identity, Fenced(consumer_epoch=s.consumer_epoch, reason=reason))
         self.session = None
@@ -557,7 +561,13 @@ class TargetServer:
             return
         for p in list(s.peers.values()):
             if not self._peer_alive(p):
-                self._end_session(f"rank {p.rank} (pid {p.pid}) is dead or silent for {self.cfg.service.lease_s}s")
+                if len(s.epochs_ended) >= s.epochs:
+                    # every epoch delivered and acked: a trainer that goes away now finished its run
+                    self._end_session(f"training finished: every epoch of the plan delivered, then rank {p.rank} "
+                                      f"(pid {p.pid}) exited (last commit: step {s.last_commit_step}, "
+                                      f"{s.committed.size} batches)", finished=True)
+                else:
+                    self._end_session(f"rank {p.rank} (pid {p.pid}) is dead or silent for {self.cfg.service.lease_s}s")
                 return
 
     def run(self) -> int:

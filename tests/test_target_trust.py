@@ -137,3 +137,38 @@ def test_a_target_server_on_a_public_tcp_endpoint_without_curve_keys_is_refused_
     log = service.log()
     assert "outside loopback" in log and "curve_server_key" in log
     assert "layers kept" not in log, "refused before the target model is loaded"
+
+
+def test_a_trainer_that_exits_after_the_last_epoch_is_logged_as_finished_not_dead(server) -> None:
+    endpoint, service, status, svc = server
+    planned = sum(status["epoch_sizes"])
+    start = wait_for(lambda: (s := ctl(endpoint, "status")) and s["session"] is None and s, 30, "no session")
+    finished_line, dead_line = "ended: training finished: every epoch of the plan delivered", "dead or silent"
+    earlier = service.log(tail=10_000)
+    stand_ins: list[subprocess.Popen] = []
+
+    def run(have: SeqSet, n: int) -> ScriptedConsumer:
+        stand_ins.append(subprocess.Popen(["sleep", "600"]))
+        consumer = ScriptedConsumer(endpoint, have, job=f"run-{len(stand_ins)}",
+                                    identity=(stand_ins[-1].pid, process_start_time(stand_ins[-1].pid)))
+        consumer.take(n)
+        stand_ins[-1].kill()
+        stand_ins[-1].wait()
+        consumer.close()
+        return consumer
+
+    try:
+        killed = run(SeqSet(), 1)                                  # dies mid-epoch
+        s = wait_for(lambda: (s := ctl(endpoint, "status")) and s["session"] is None and s, 30, "session fenced")
+        assert s["finished"] == start["finished"] and s["fenced"] == start["fenced"] + 1
+        done = run(SeqSet(killed.acked), planned)                  # trains the rest, then exits
+        assert done.ended and sorted(killed.acked + done.acked) == list(range(planned))
+        s = wait_for(lambda: (s := ctl(endpoint, "status")) and s["session"] is None and s, 30, "session ended")
+        assert s["finished"] == start["finished"] + 1 and s["fenced"] == start["fenced"] + 2
+        log = service.log(tail=10_000)
+        assert log.count(finished_line) == earlier.count(finished_line) + 1, log
+        assert log.count(dead_line) == earlier.count(dead_line) + 1, log
+    finally:
+        for p in stand_ins:
+            p.kill()
+            p.wait()
