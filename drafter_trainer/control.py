@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from common.channel import RouterChannel
+from common.channel import CurveKeys, RouterChannel
 from common.protocol import Control, Ping, Pong, Reply
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ from common.ring import ConsumerRing, RingError, StaleSlot
 from common.seqset import SeqSet
 
 log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 5.0        # a rank waiting for its target says so this often
+WAIT_POLL_S = 0.1       # how soon a wait notices that the trainer was told to stop
 
 
 @dataclass
@@ -98,10 +102,23 @@ class RingFeed:
         """Start connecting in the I/O thread; the caller may do other set-up until wait_welcome."""
         self._thread.start()
 
-    def wait_welcome(self, timeout: float | None = None) -> Welcome:
-        if not self.welcomed.wait(timeout):
-            raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
-                               f"within {timeout}s ({self.error or 'no answer'})")
+    def wait_welcome(self, timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Welcome | None:
+        """The first WELCOME; None when `stop()` turned true first (SIGTERM, Ctrl-C, ctl shutdown).
+        Every WAIT_LOG_S the rank logs what it waits for (the server's last refusal, or silence)."""
+        started = time.monotonic()
+        next_log = started + WAIT_LOG_S
+        while not self.welcomed.wait(WAIT_POLL_S):
+            if stop is not None and stop():
+                return None
+            now = time.monotonic()
+            if timeout is not None and now - started >= timeout:
+                raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
+                                   f"within {timeout}s ({self.error or 'no answer'})")
+            if now >= next_log:
+                next_log = now + WAIT_LOG_S
+                log.info("rank %d: waiting %.0fs for the target server at %s: %s", self.rank, now - started,
+                         self.cfg.service.target_endpoint,
+                         f"it answered: {self.error}" if self.error else "no answer yet (is it running?)")
         return self.welcome
 
     def get(self, timeout: float) -> PackedBatch | EpochEndMarker | None:

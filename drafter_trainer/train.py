@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
 EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
+
+
+class StoppedWaiting(Exception):
+    """Told to stop (SIGTERM, Ctrl-C, ctl shutdown) before the target server answered: nothing to save."""
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 
 
@@ -443,7 +447,9 @@ class Trainer:
         built = build_drafter(cfg, guess, self.device, self.startup) if guess is not None else None
         if built is not None and built[1] is not None and not self.feed.welcomed.wait(WELCOME_GRACE_S):
             built[1].start()   # the target is still loading or warming up: compile while waiting for it
-        welcome = self.feed.wait_welcome(timeout=None)
+        welcome = self.feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
+        if welcome is None:
+            raise StoppedWaiting(self.flags.reason or "stop requested")
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
             raise RuntimeError(f"feed failed: {self.feed.error}")
@@ -763,6 +769,10 @@ def main(cfg: Config) -> int:
     except OutDirInUse as e:
         log.error("trainer refused: %s", e)
         rc = EXIT_OUT_DIR_IN_USE
+    except StoppedWaiting as e:
+        log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
+                 "checkpoint, nothing to save", e)
+        rc = EXIT_OK
     except Exception as e:
         log.exception("trainer failed: %s", e)
     finally:
