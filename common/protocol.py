@@ -494,9 +494,9 @@ class RingInfo(_Struct):
 class Hello(Message):
     """Trainer rank -> server: start (or resume) a session. `job` names the trainer process group
     (the same on every rank, new on every restart), so the server tells a late rank of the running
-    session from a new trainer; `secret` proves the rank belongs to that group; `have` = batch seqs already in the trainer's model state; `credit`
-    = how many slots this rank may hold un-acked; `heldout` = send this rank the held-out batches
-    (rank 0 only, once per session)."""
+    session from a new trainer; `secret` proves the rank belongs to that group; `have` = batch seqs
+    already in the trainer's model state; `credit` = how many slots this rank may hold un-acked;
+    `heldout` = send this rank the held-out batches (rank 0 only, once per session)."""
 
     rid: int = wire(RID)
     job: str = wire(StrCodec(MAX_JOB_LEN, non_empty=True))

@@ -189,7 +189,8 @@ class RingFeed:
             # This HELLO declares every queued batch as held, so a FENCED for the session it replaces
             # (already on its way to us) must not drop them: the next session will not resend them.
             self._superseded_epoch = self.consumer_epoch
-        chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world, pid=os.getpid(),
+        chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
+                        pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout))
 
@@ -315,7 +316,8 @@ class RingFeed:
 
     def _ack(self, chan: DealerChannel, a: Announce) -> None:
         self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
-        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
+                      pub_seq=a.pub_seq, seq=a.seq))
 
     def _take(self, chan: DealerChannel, a: Announce) -> None:
         batch = self._read(a)

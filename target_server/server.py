@@ -61,7 +61,8 @@ class TargetServer:
         self.quarantined = SeqSet()
         self.quarantine_log: list[dict[str, Any]] = []
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
-                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0, "bad_messages": 0,
+                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0,
+                         "bad_messages": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
         # messages refused because of who sent them or what they claim (not malformed: those are
@@ -254,7 +255,8 @@ class TargetServer:
         self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
         log.info("trainer session %s (secret #%s): consumer epoch %d, %d of %d seqs already held, %d to compute",
-                 hello.job, secret_tag(hello.secret), epoch, s.have.size, self.plan.starts[hello.epochs], self.dispatcher.pending_count())
+                 hello.job, secret_tag(hello.secret), epoch, s.have.size, self.plan.starts[hello.epochs],
+                 self.dispatcher.pending_count())
         return s
 
     def _replan(self) -> None:
@@ -297,15 +299,6 @@ class TargetServer:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
                                           error=f"target server is {self.state}; not serving yet"))
             return
-        self._plan_epochs(msg.epochs)
-        planned = self.plan.starts[msg.epochs]
-        if msg.have.end > planned:
-            # A have set is what the trainer trained of this plan: seqs beyond it are a stranger's
-            # or another plan's, and would end epochs that were never trained.
-            self._refuse(peer, msg.rid, "out_of_plan",
-                         f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
-                         f"epoch(s) of this plan hold seqs [0, {planned})")
-            return
         s = self.session
         if s is not None and s.job == msg.job and not same_secret(msg.secret, s.secret):
             # The job is public (status shows it), the secret is not: whoever this is, it is not a
@@ -318,6 +311,16 @@ class TargetServer:
             if alive:
                 self._refuse(peer, msg.rid, "busy", f"another trainer session ({s.job}, pid {alive[0].pid}) is active")
                 return
+        self._plan_epochs(msg.epochs)
+        planned = self.plan.starts[msg.epochs]
+        if msg.have.end > planned:
+            # A have set is what the trainer trained of this plan: seqs beyond it are a stranger's
+            # or another plan's, and would end epochs that were never trained.
+            self._refuse(peer, msg.rid, "out_of_plan",
+                         f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
+                         f"epoch(s) of this plan hold seqs [0, {planned})")
+            return
+        if s is not None and s.job != msg.job:
             self._end_session("replaced by a new trainer session")
             s = None
         if s is None:

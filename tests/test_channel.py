@@ -19,8 +19,8 @@ from common.channel import (ChannelError, CurveKeys, DealerChannel, RequestTimeo
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
 
-HELLO = Hello(rid=1, job="job-1", secret="ab" * 16, rank=0, world=1, pid=os.getpid(), start_time=1, have=SeqSet([0, 1]), epochs=1,
-              credit=2, heldout=False)
+HELLO = Hello(rid=1, job="job-1", secret="ab" * 16, rank=0, world=1, pid=os.getpid(), start_time=1,
+              have=SeqSet([0, 1]), epochs=1, credit=2, heldout=False)
 
 
 @pytest.fixture
@@ -256,7 +256,8 @@ def test_request_retries_on_a_fresh_socket_and_gets_the_late_answer(fake_server:
 
 def test_request_needs_a_rid() -> None:
     with pytest.raises(ValueError, match="rid"):
-        request("ipc:///tmp/unused.sock", Ack(consumer_epoch=0, secret="ab" * 16, worker=0, slot=0, pub_seq=0, seq=0), timeout_s=0.1)
+        request("ipc:///tmp/unused.sock", Ack(consumer_epoch=0, secret="ab" * 16, worker=0, slot=0, pub_seq=0, seq=0),
+                timeout_s=0.1)
 
 
 def test_oversized_frames_are_counted_and_never_sent(sock_dir: str) -> None:

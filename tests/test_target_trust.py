@@ -55,9 +55,9 @@ def test_a_hello_holding_seqs_beyond_the_plan_is_refused_and_the_server_keeps_se
     try:
         for have in (SeqSet.from_ranges([(0, SEQ_LIMIT)]), SeqSet([planned])):
             chan = DealerChannel(endpoint)
-            chan.send(Hello(rid=next_rid(), job="greedy", secret=new_session_secret(), rank=0, world=1, pid=stand_in.pid,
-                            start_time=process_start_time(stand_in.pid), have=have, epochs=1, credit=2,
-                            heldout=False))
+            chan.send(Hello(rid=next_rid(), job="greedy", secret=new_session_secret(), rank=0, world=1,
+                            pid=stand_in.pid, start_time=process_start_time(stand_in.pid), have=have, epochs=1,
+                            credit=2, heldout=False))
             reply = _answer(chan, Reply)
             chan.close()
             assert not reply.ok and "have set reaches" in reply.error and f"[0, {planned})" in reply.error
@@ -78,7 +78,8 @@ def test_a_stranger_who_knows_the_job_cannot_join_widen_fence_ack_or_commit(serv
     dead = subprocess.Popen(["true"])
     dead_identity = (dead.pid, process_start_time(dead.pid) or 1)
     dead.wait()
-    trainer = ScriptedConsumer(endpoint, SeqSet(), job="trainer-job", identity=(alive.pid, process_start_time(alive.pid)))
+    trainer = ScriptedConsumer(endpoint, SeqSet(), job="trainer-job",
+                               identity=(alive.pid, process_start_time(alive.pid)))
     try:
         got = trainer.take(1)
         before = ctl(endpoint, "status")
