@@ -448,11 +448,11 @@ class Trainer:
         if built is not None and built[1] is not None and not self.feed.welcomed.wait(WELCOME_GRACE_S):
             built[1].start()   # the target is still loading or warming up: compile while waiting for it
         welcome = self.feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
-        if welcome is None:
-            raise StoppedWaiting(self.flags.reason or "stop requested")
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
             raise RuntimeError(f"feed failed: {self.feed.error}")
+        if welcome is None:
+            raise StoppedWaiting(self.flags.reason or "stop requested")
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         if built is None or not same_target(guess, welcome.target):

@@ -4,17 +4,19 @@ commit or fence it. None of them may change the trainer's session; each is refus
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from common.channel import DealerChannel
+from common.channel import CurveKeys, DealerChannel, make_curve_keys
 from common.liveness import process_start_time
 from common.protocol import Ack, Commit, Hello, Reply, new_session_secret, next_rid, secret_tag
 from common.seqset import SEQ_LIMIT, SeqSet
-from e2e import Service, ctl, load, wait_for, write_config
+from e2e import Service, assert_exactly_once, ctl, load, wait_for, write_config
 from test_target_server import ScriptedConsumer
 
 pytestmark = pytest.mark.timeout(600)
@@ -173,3 +175,37 @@ def test_a_trainer_that_exits_after_the_last_epoch_is_logged_as_finished_not_dea
         for p in stand_ins:
             p.kill()
             p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_both_services_on_public_tcp_endpoints_with_curve_keys_train_exactly_once(tmp_path: Path) -> None:
+    server_cert, client_cert = make_curve_keys(str(tmp_path / "keys"))
+    keys = CurveKeys(server_cert, client_cert)
+    target_ep, trainer_ep = f"tcp://0.0.0.0:{_free_port()}", f"tcp://0.0.0.0:{_free_port()}"
+    config = write_config(tmp_path, samples=40, service={
+        "target_endpoint": target_ep, "trainer_endpoint": trainer_ep,
+        "curve_server_key": server_cert, "curve_client_key": client_cert})
+    services: list[Service] = []
+    try:
+        target = Service("target-server", config, tmp_path)
+        services.append(target)
+        wait_for(lambda: (s := ctl(target_ep, "status", curve=keys)) and s["state"] == "serving", 180,
+                 "target serving (over CURVE)")
+        assert ctl(target_ep, "status", timeout=1.0) is None, "a client without the keys gets no answer"
+        trainer = Service("trainer", config, tmp_path)
+        services.append(trainer)
+        assert trainer.wait(300) == 0, trainer.log()
+        assert_exactly_once(config)
+        cli = subprocess.run([sys.executable, "-m", "dfpipe", "ctl", "target", "status", "--json", "-c", str(config)],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and json.loads(cli.stdout)["pid"] == target.pid, cli.stderr   # ctl over CURVE
+        # over tcp the server tells a gone trainer by its silence (lease_s), then ends the session as finished
+        wait_for(lambda: (s := ctl(target_ep, "status", curve=keys)) and s["finished"] == 1, 30, "session finished")
+    finally:
+        for s in services[::-1]:
+            s.stop()
