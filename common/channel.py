@@ -20,6 +20,12 @@ False. A DEALER queues (up to its high-water mark) while the server is not yet, 
 connected, and delivers once it is; the server treats what arrives late by consumer epoch and
 rid like any other message.
 
+Who may connect (see docs/architecture.md, "Trust model"): an ipc:// socket file is made 0600 and
+a folder the server creates for it 0700, both set explicitly, not left to the umask, so only the
+service user can connect. A tcp:// endpoint outside loopback is refused at bind unless ZeroMQ
+CURVE keys are configured (`CurveKeys`: libzmq's own encryption and key authentication; the server
+lets in only the configured client key).
+
 Sockets are not thread-safe: one thread owns a channel. Services that wait on several sockets
 register `channel.socket` with their own zmq.Poller and call `poll(0)` when it is readable.
 """
@@ -27,14 +33,20 @@ from __future__ import annotations
 
 import collections
 import errno
+import ipaddress
 import logging
 import os
 import socket as pysocket
 import stat
+import threading
 import time
+from dataclasses import dataclass
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
+from common.config import Config
 from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
 
 log = logging.getLogger("dfpipe.channel")
@@ -102,30 +114,167 @@ def _refuse_live_ipc(endpoint: str, path: str) -> None:
     raise ChannelError(f"endpoint {endpoint} is in use by a live process (is another server running?)")
 
 
+def _tcp_host(endpoint: str) -> str | None:
+    """The host part of a tcp:// endpoint ("*" for every interface), None for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for tcp:// bound to a loopback address (127.0.0.0/8, ::1, localhost); a host name, an
+    interface name or "*" counts as outside loopback."""
+    host = _tcp_host(endpoint)
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZeroMQ CURVE for one endpoint: certificate files in libzmq's format (`dfpipe keys`).
+
+    server_cert: on the server's host its secret certificate (`server.key_secret`), on a client's
+    host its public one (`server.key`) or the secret one; client_cert: a client's secret
+    certificate (`client.key_secret`); the server reads the public key from it (or `client.key`)
+    and lets in that key only."""
+
+    server_cert: str
+    client_cert: str
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "CurveKeys | None":
+        """service.curve_server_key / curve_client_key, relative to the config file; None when unset
+        (the config's validation makes sure both or neither are set)."""
+        svc = cfg.service
+        if not svc.curve_server_key:
+            return None
+        return cls(cfg.resolve(svc.curve_server_key), cfg.resolve(svc.curve_client_key))
+
+    @staticmethod
+    def _load(path: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+        try:
+            public, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as e:
+            raise ChannelError(f"CURVE certificate {path}: cannot read it: {e}") from None
+        if need_secret and not secret:
+            raise ChannelError(f"CURVE certificate {path} holds no secret key (use the .key_secret file)")
+        return public, secret
+
+    def apply_server(self, sock: zmq.Socket) -> None:
+        public, secret = self._load(self.server_cert, need_secret=True)
+        client_public, _ = self._load(self.client_cert, need_secret=False)
+        _allow_client_key(sock.context, client_public)
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_server = True
+
+    def apply_client(self, sock: zmq.Socket) -> None:
+        server_public, _ = self._load(self.server_cert, need_secret=False)
+        public, secret = self._load(self.client_cert, need_secret=True)
+        sock.curve_serverkey = server_public
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+
+
+def make_curve_keys(folder: str) -> tuple[str, str]:
+    """A server and a client certificate (pyzmq's zmq.auth: a zmq.curve_keypair each, in libzmq's
+    certificate format) in `folder`, made 0700 first so no one else can read a secret file even
+    for a moment; the secret files are 0600. Returns the two secret certificate paths. Refuses to
+    overwrite existing certificates: keys in use would silently stop matching."""
+    os.makedirs(folder, exist_ok=True)
+    os.chmod(folder, 0o700)
+    for name in ("server", "client"):
+        for ext in ("", "_secret"):
+            if os.path.exists(os.path.join(folder, f"{name}.key{ext}")):
+                raise ChannelError(f"{os.path.join(folder, name)}.key{ext} exists: not overwriting keys that may be "
+                                   "in use")
+    paths = []
+    for name in ("server", "client"):
+        _, secret_file = zmq.auth.create_certificates(folder, name)
+        os.chmod(secret_file, 0o600)
+        paths.append(secret_file)
+    return paths[0], paths[1]
+
+
+class _KeyList:
+    """ZAP credentials provider: the client public keys (z85) a CURVE server lets in."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+_zap_lock = threading.Lock()
+_zap: dict[int, tuple[ThreadAuthenticator, _KeyList]] = {}   # id(context) -> its ZAP handler
+
+
+def _allow_client_key(ctx: zmq.Context, public: bytes) -> None:
+    """Start (once per context) the ZAP handler libzmq asks about every CURVE client, and let
+    `public` in. Without a handler libzmq would let in any client that knows the server's key."""
+    with _zap_lock:
+        entry = _zap.get(id(ctx))
+        if entry is None:
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            keys = _KeyList()
+            auth.configure_curve_callback(domain="*", credentials_provider=keys)
+            entry = _zap[id(ctx)] = (auth, keys)
+        entry[1].keys.add(public)
+
+
+def _secure_ipc_folder(path: str) -> None:
+    """The socket's folder: created 0700 when missing; an existing one of the service user's own
+    (not a shared sticky folder such as /tmp) set to 0700 too. The socket file itself is 0600."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        st = os.stat(folder)
+        if st.st_uid != os.getuid() or st.st_mode & stat.S_ISVTX:
+            return  # a shared folder: the 0600 socket file is what keeps others out
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+    os.chmod(folder, 0o700)  # explicitly: mkdir's mode is filtered by the umask
+
+
 def _common_options(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)  # a closing service must never wait for an absent peer
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
 
 
-def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
+                curve: CurveKeys | None = None) -> zmq.Socket:
     """A bound ROUTER socket.
 
     ROUTER_MANDATORY: sending to a gone peer raises EHOSTUNREACH (counted by RouterChannel)
     instead of vanishing. ROUTER_HANDOVER: a client reconnecting with an identity still held by a
     dead or stopped connection takes it over (without it the newcomer would be ignored).
     MAXMSGSIZE: libzmq disconnects a peer sending a message far over the protocol limit before it
-    is buffered. For ipc:// the parent folder is created and a stale socket file is replaced, but a
-    live one is refused (see `_refuse_live_ipc`). tcp://HOST:* binds a free port: read
-    `RouterChannel.endpoint`."""
+    is buffered. For ipc:// the parent folder is created (0700) and a stale socket file is replaced,
+    but a live one is refused (see `_refuse_live_ipc`); the socket file is made 0600. tcp://HOST:*
+    binds a free port: read `RouterChannel.endpoint`; outside loopback only with `curve` keys."""
     _check_endpoint(endpoint)
+    if endpoint.startswith("tcp://") and not is_loopback(endpoint) and curve is None:
+        raise ChannelError(f"endpoint {endpoint}: a tcp endpoint outside loopback would let anyone who can reach "
+                           "it control the service; configure CURVE keys (service.curve_server_key and "
+                           "service.curve_client_key, made by `dfpipe keys --out DIR`) or bind 127.0.0.1")
     path = _ipc_path(endpoint)
     if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _secure_ipc_folder(path)
         _refuse_live_ipc(endpoint, path)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     try:
         _common_options(sock, hwm)
+        if curve is not None:
+            curve.apply_server(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes + 1024)
@@ -134,11 +283,16 @@ def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESS
         sock.close()
         hint = " (address in use: is another server running?)" if e.errno == errno.EADDRINUSE else ""
         raise ChannelError(f"cannot bind {endpoint}: {e}{hint}") from None
+    except ChannelError:
+        sock.close()
+        raise
+    if path is not None:
+        os.chmod(path, 0o600)  # explicitly: libzmq creates it with whatever the umask allows
     return sock
 
 
 def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                   immediate: bool = False) -> zmq.Socket:
+                   immediate: bool = False, curve: CurveKeys | None = None) -> zmq.Socket:
     """A DEALER connected (asynchronously: the peer may come up later) to `endpoint`.
 
     `identity`: how the ROUTER addresses this client; None lets ZeroMQ pick a random one. A
@@ -155,12 +309,17 @@ def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFA
     try:
         _common_options(sock, hwm)
         sock.setsockopt(zmq.IMMEDIATE, 1 if immediate else 0)
+        if curve is not None:
+            curve.apply_client(sock)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close()
         raise ChannelError(f"cannot connect to {endpoint}: {e}") from None
+    except ChannelError:
+        sock.close()
+        raise
     return sock
 
 
@@ -226,8 +385,9 @@ class RouterChannel(_Channel):
     """The server end, bound to `endpoint` (see `bind_router`): many peers, each addressed by
     its identity. `endpoint` afterwards holds the bound address (the real port for tcp://H:*)."""
 
-    def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        sock = bind_router(endpoint, hwm, max_bytes)
+    def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
+                 curve: CurveKeys | None = None) -> None:
+        sock = bind_router(endpoint, hwm, max_bytes, curve)
         super().__init__(sock, max_bytes)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         path = _ipc_path(self.endpoint)
@@ -281,8 +441,8 @@ class DealerChannel(_Channel):
     """The client end, connected to one server (see `connect_dealer`)."""
 
     def __init__(self, endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                 max_bytes: int = MAX_MESSAGE_BYTES, immediate: bool = False) -> None:
-        super().__init__(connect_dealer(endpoint, identity, hwm, immediate), max_bytes)
+                 max_bytes: int = MAX_MESSAGE_BYTES, immediate: bool = False, curve: CurveKeys | None = None) -> None:
+        super().__init__(connect_dealer(endpoint, identity, hwm, immediate, curve), max_bytes)
         self.endpoint = endpoint
         self._unsent = "no_peer" if immediate else "full"
 
@@ -340,7 +500,7 @@ class DealerChannel(_Channel):
 
 
 def request(endpoint: str, msg: Message, timeout_s: float, retries: int = 1, peer: str = "server",
-            max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+            max_bytes: int = MAX_MESSAGE_BYTES, curve: CurveKeys | None = None) -> Message:
     """Send one request and return the answer carrying the same rid (Lazy Pirate).
 
     The timeout_s budget is split over 1 + retries attempts; each attempt uses a fresh DEALER, so
@@ -359,7 +519,7 @@ def request(endpoint: str, msg: Message, timeout_s: float, retries: int = 1, pee
     for attempt in range(attempts):
         # Later attempts get whatever the earlier ones left, so the total stays within timeout_s.
         attempt_deadline = time.monotonic() + (deadline - time.monotonic()) / (attempts - attempt)
-        channel = DealerChannel(endpoint, max_bytes=max_bytes)
+        channel = DealerChannel(endpoint, max_bytes=max_bytes, curve=curve)
         try:
             if not channel.send(msg, timeout_s=max(0.0, attempt_deadline - time.monotonic())):
                 continue

@@ -120,6 +120,8 @@ class ServiceConfig:
     target_metrics_port: int = 0        # 0: no Prometheus endpoint
     trainer_metrics_port: int = 0
     max_message_bytes: int = 1 << 20
+    curve_server_key: str = ""          # ZeroMQ CURVE certificates (`dfpipe keys`): needed for a tcp://
+    curve_client_key: str = ""          # endpoint outside loopback; set both or neither
 
 
 @dataclass
@@ -271,6 +273,8 @@ def validate(cfg: Config) -> Config:
     need(not cfg.data.heldout_path or cfg.resolve(cfg.data.heldout_path) != cfg.resolve(cfg.data.train_path),
          "data.heldout_path: must not be data.train_path (held-out rows are never training rows)")
     need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
+    need(bool(cfg.service.curve_server_key) == bool(cfg.service.curve_client_key),
+         "service.curve_server_key and service.curve_client_key: set both or neither (`dfpipe keys --out DIR`)")
     return cfg
 
 

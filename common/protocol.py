@@ -12,12 +12,12 @@ receiver logs, counts (by `ProtocolError.code`) and drops.
 
 Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one-shot client):
 
-    R -> S   hello      rid, job, rank, world, pid, start_time, have, epochs, credit, heldout
+    R -> S   hello      rid, job, secret, rank, world, pid, start_time, have, epochs, credit, heldout
     S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches
     S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch, heldout
-    R -> S   ack        consumer_epoch, worker, slot, pub_seq, seq
+    R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq
     S -> R   epoch_end  consumer_epoch, epoch
-    R0 -> S  commit     rid, consumer_epoch, have, step
+    R0 -> S  commit     rid, consumer_epoch, secret, have, step
     S -> R   fenced     consumer_epoch, reason
     any      ping/pong  rid, t
     C -> S|R control    rid, cmd, args{}         answered by   reply  rid, ok, result{}, error
@@ -25,6 +25,12 @@ Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one
 Requests carry a `rid` (from `next_rid()`); the answer repeats it, so a client matches replies
 and ignores stale ones. ZeroMQ is only the doorbell: the shared-memory slot headers are the truth,
 so a lost ANNOUNCE or ACK costs latency (both sides re-scan on a timer), never data.
+
+Session membership: trainer rank 0 draws a random `secret` per trainer process group and every
+rank sends it in HELLO, ACK and COMMIT. The session is created with the secret of its first HELLO;
+a message with another secret never joins, widens, acks into, commits to or ends that session,
+whatever `job` it names (the job is shown in status, the secret never is: `secret_tag` is the
+short hash logs may show).
 
 Held-out batches (eval during training) travel like training batches but are never trained on:
 rank 0 sets `hello.heldout`, the WELCOME says how many exist, and each one arrives as an ANNOUNCE
@@ -38,6 +44,8 @@ receiver calls them with its context and treats a ProtocolError exactly like a d
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import itertools
 import math
 import os
@@ -51,7 +59,8 @@ import msgpack
 
 from common.seqset import SeqSet
 
-PROTOCOL_VERSION = 2             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
+PROTOCOL_VERSION = 3             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
+                                 # 3: hello/ack/commit.secret
 MAX_MESSAGE_BYTES = 1 << 20      # default frame limit (ServiceConfig.max_message_bytes)
 INT64_MAX = (1 << 63) - 1
 
@@ -68,6 +77,7 @@ MAX_PATH_LEN = 4096
 MAX_REASON_LEN = 4096
 MAX_KEY_LEN = 64
 MAX_JOB_LEN = 128
+SECRET_BYTES = 16                # a session secret: 128 random bits, as 32 lowercase hex digits
 MAX_READY = 1 << 16              # seqs in WELCOME.ready (<= workers * slots)
 MAX_EPOCHS = 1 << 12
 MAX_HELDOUT = 1 << 12            # held-out batches per session
@@ -225,6 +235,35 @@ class SeqSetCodec(Codec["SeqSet"]):
             raise ProtocolError("field", f"{where}: {e}") from None
 
 
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+class SecretCodec(Codec[str]):
+    """A session secret: exactly 2 * SECRET_BYTES lowercase hex digits (see `new_session_secret`).
+    Errors never show the value: a secret that is only malformed is still someone's secret."""
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not str:
+            raise _field_error(where, f"expected str, got {type(value).__name__}")
+        if len(value) != 2 * SECRET_BYTES or not set(value) <= _HEX_DIGITS:
+            raise _field_error(where, f"expected {2 * SECRET_BYTES} lowercase hex digits")
+
+
+def new_session_secret() -> str:
+    """A fresh secret for one trainer process group (rank 0 draws it, the others receive it)."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def secret_tag(secret: str) -> str:
+    """A short hash of a secret, safe for logs and status: tells sessions apart, reveals nothing."""
+    return hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+def same_secret(a: str, b: str) -> bool:
+    """Constant-time comparison: how long a refusal takes says nothing about the secret."""
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
 class FlatDictCodec(Codec[dict]):
     """{str: scalar | list[int]} with bounded keys, entries, strings and lists.
 
@@ -338,8 +377,9 @@ class StructCodec(Codec[Any]):
 # ---- messages -------------------------------------------------------------------------------------
 
 def wire(codec: Codec[Any]) -> Any:
-    """Declare a message field together with the codec that validates it."""
-    return dataclasses.field(metadata={"codec": codec})
+    """Declare a message field together with the codec that validates it (a secret is left out of
+    the message's repr, so logging a message never logs it)."""
+    return dataclasses.field(metadata={"codec": codec}, repr=not isinstance(codec, SecretCodec))
 
 
 class _Struct:
@@ -435,6 +475,7 @@ WORKER = IntCodec(0, MAX_WORKERS - 1)
 SLOT = IntCodec(0, MAX_SLOTS - 1)
 TIME = FloatCodec()
 HAVE = SeqSetCodec(MAX_HAVE_RANGES)
+SECRET = SecretCodec()
 REASON = StrCodec(MAX_REASON_LEN)
 
 
@@ -453,12 +494,13 @@ class RingInfo(_Struct):
 class Hello(Message):
     """Trainer rank -> server: start (or resume) a session. `job` names the trainer process group
     (the same on every rank, new on every restart), so the server tells a late rank of the running
-    session from a new trainer; `have` = batch seqs already in the trainer's model state; `credit`
-    = how many slots this rank may hold un-acked; `heldout` = send this rank the held-out batches
-    (rank 0 only, once per session)."""
+    session from a new trainer; `secret` proves the rank belongs to that group; `have` = batch seqs
+    already in the trainer's model state; `credit` = how many slots this rank may hold un-acked;
+    `heldout` = send this rank the held-out batches (rank 0 only, once per session)."""
 
     rid: int = wire(RID)
     job: str = wire(StrCodec(MAX_JOB_LEN, non_empty=True))
+    secret: str = wire(SECRET)
     rank: int = wire(IntCodec(0, MAX_WORLD - 1))
     world: int = wire(IntCodec(1, MAX_WORLD))
     pid: int = wire(IntCodec(1, INT64_MAX))
@@ -536,6 +578,7 @@ class Ack(Message):
     written; this message only wakes the producer sooner). `seq` repeats the announcement's."""
 
     consumer_epoch: int = wire(EPOCH)
+    secret: str = wire(SECRET)
     worker: int = wire(WORKER)
     slot: int = wire(SLOT)
     pub_seq: int = wire(SEQ)
@@ -548,6 +591,7 @@ class Commit(Message):
 
     rid: int = wire(RID)
     consumer_epoch: int = wire(EPOCH)
+    secret: str = wire(SECRET)
     have: SeqSet = wire(HAVE)
     step: int = wire(UINT)
 

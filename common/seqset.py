@@ -131,8 +131,20 @@ class SeqSet:
         i = bisect.bisect_right(self._starts, seq) - 1
         return i >= 0 and seq < self._stops[i]
 
-    def __len__(self) -> int:
+    @property
+    def size(self) -> int:
+        """How many members: an int of any size. Use this, not len(), for a set that came from a
+        peer: [0, 2**63) has more members than len() can return (OverflowError past sys.maxsize)."""
         return sum(b - a for a, b in zip(self._starts, self._stops))
+
+    def __len__(self) -> int:
+        # Only for sets bounded by a plan (len() raises OverflowError past sys.maxsize): see `size`.
+        return self.size
+
+    @property
+    def end(self) -> int:
+        """One past the largest member (0 when empty): the set lies inside [0, end)."""
+        return self._stops[-1] if self._stops else 0
 
     def __bool__(self) -> bool:
         return bool(self._starts)

@@ -45,11 +45,26 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
+    from common.channel import CurveKeys
+
     from .ctl import control
     cfg = _config(args)
     endpoint = args.endpoint or (cfg.service.target_endpoint if args.service == "target" else cfg.service.trainer_endpoint)
-    reply = control(endpoint, args.service, args.command, timeout_s=args.timeout)
+    reply = control(endpoint, args.service, args.command, timeout_s=args.timeout, curve=CurveKeys.from_config(cfg))
     _print(reply, args.json)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from common.channel import ChannelError, make_curve_keys
+    try:
+        server, client = make_curve_keys(args.out)
+    except ChannelError as e:
+        raise SystemExit(f"dfpipe keys: {e}") from None
+    print(f"CURVE keys in {args.out} (keep the .key_secret files private; a host needs only its own):\n"
+          f"  service.curve_server_key: {server}   (clients may use {server.removesuffix('_secret')})\n"
+          f"  service.curve_client_key: {client}   "
+          f"(the server may use {os.path.join(args.out, 'client.key')})")
     return 0
 
 
@@ -145,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     _add_config(p)
     p.set_defaults(fn=cmd_ctl)
+
+    p = sub.add_parser("keys", help="make ZeroMQ CURVE certificates for tcp:// endpoints outside loopback")
+    p.add_argument("--out", required=True, help="folder for the server and client certificates (made 0700)")
+    p.set_defaults(fn=cmd_keys)
 
     p = sub.add_parser("top", help="live view of both services")
     _add_config(p)

@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from common.channel import RequestTimeout, request
+from common.channel import CurveKeys, RequestTimeout, request
 from common.config import Config
 from common.protocol import Control, Reply, next_rid
 
@@ -20,10 +20,12 @@ class ControlError(RuntimeError):
 
 
 def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
-            args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One control request; a clear error (never a hang) when the service does not answer."""
+            args: dict[str, Any] | None = None, curve: CurveKeys | None = None) -> dict[str, Any]:
+    """One control request; a clear error (never a hang) when the service does not answer.
+    curve: the CURVE keys of a tcp:// endpoint outside loopback (`CurveKeys.from_config`)."""
     try:
-        reply = request(endpoint, Control(rid=next_rid(), cmd=command, args=args or {}), timeout_s=timeout_s)
+        reply = request(endpoint, Control(rid=next_rid(), cmd=command, args=args or {}), timeout_s=timeout_s,
+                        curve=curve)
     except RequestTimeout as e:
         raise SystemExit(f"dfpipe ctl: {service} at {endpoint} did not answer within {timeout_s:g}s: {e}") from None
     if not isinstance(reply, Reply):
@@ -33,9 +35,10 @@ def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
     return reply.result
 
 
-def try_status(endpoint: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
+def try_status(endpoint: str, timeout_s: float = 1.0, curve: CurveKeys | None = None) -> dict[str, Any] | None:
     try:
-        reply = request(endpoint, Control(rid=next_rid(), cmd="status", args={}), timeout_s=timeout_s, retries=0)
+        reply = request(endpoint, Control(rid=next_rid(), cmd="status", args={}), timeout_s=timeout_s, retries=0,
+                        curve=curve)
     except RequestTimeout:
         return None
     return reply.result if isinstance(reply, Reply) and reply.ok else None
@@ -209,12 +212,14 @@ def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: s
 class TopView:
     """Polls both services' status and renders one frame: a header, then one panel per service."""
 
-    def __init__(self, target_endpoint: str, trainer_endpoint: str) -> None:
+    def __init__(self, target_endpoint: str, trainer_endpoint: str, curve: CurveKeys | None = None) -> None:
         self.target_endpoint, self.trainer_endpoint = target_endpoint, trainer_endpoint
+        self.curve = curve
         self.rates = TokenRate()
 
     def poll(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        return try_status(self.target_endpoint), try_status(self.trainer_endpoint)
+        return (try_status(self.target_endpoint, curve=self.curve),
+                try_status(self.trainer_endpoint, curve=self.curve))
 
     def frame(self, target: dict[str, Any] | None, trainer: dict[str, Any] | None,
               now: float | None = None) -> Group:
@@ -236,7 +241,7 @@ class TopView:
 def top(cfg: Config, interval: float = 1.0, iterations: int = 0, once: bool = False) -> int:
     """A live view of both services (`once`: print one frame and exit). Stdout not a terminal (a
     log file, a pipe) and not `once`: one summary line per refresh instead of redrawn frames."""
-    view = TopView(cfg.service.target_endpoint, cfg.service.trainer_endpoint)
+    view = TopView(cfg.service.target_endpoint, cfg.service.trainer_endpoint, CurveKeys.from_config(cfg))
     console = Console()
     if once:
         console.print(view.frame(*view.poll()))

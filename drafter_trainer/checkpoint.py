@@ -4,12 +4,17 @@
         state.pt     weights (trainable only), optimizer, schedule, RNG, step
         meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash
     <out_dir>/checkpoints/.tmp-step-00000120-<pid>/   being written; ignored and swept on start
+    <out_dir>/trainer.lock                      held (flock) by the one trainer using out_dir
 
 A `kill -9` at any moment leaves either the previous complete checkpoint or the new one, never a
-half-written one that `latest_checkpoint` would pick.
+half-written one that `latest_checkpoint` would pick. One trainer at a time: `lock_out_dir` comes
+before anything in out_dir is read or swept, so a second trainer (another config, another
+endpoint) never sweeps the first one's checkpoint in progress or overwrites its checkpoints.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +28,34 @@ from common.faults import fault_error, fault_point
 from common.seqset import SeqSet
 
 PREFIX = "step-"
+
+
+LOCK_NAME = "trainer.lock"
+
+
+class OutDirInUse(RuntimeError):
+    """Another live process holds out_dir's lock."""
+
+
+def lock_out_dir(out_dir: str) -> int:
+    """Take out_dir's trainer lock (flock on out_dir/trainer.lock) or raise OutDirInUse naming the
+    holder. Returns the fd: the lock lasts as long as it is open, i.e. until the process ends,
+    however it ends (the kernel drops a dead process's flock, so a stale file never blocks)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise OutDirInUse(f"{out_dir} is in use by another trainer (pid {holder}, holding {path}); "
+                          "one trainer per train.out_dir: stop it first or use another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def fsync_path(path: str) -> None:
@@ -53,6 +86,34 @@ def epoch_stats(trained_samples: dict[int, np.ndarray]) -> dict[str, dict[str, i
             for e in sorted(trained_samples)}
 
 
+def _write_error(error: BaseException) -> OSError | None:
+    """The OSError a failed write raised inside `error`'s chain of exceptions, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _save_state(state: dict[str, Any], f: Any) -> None:
+    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write.
+
+    torch's zip writer lets the write's OSError (ENOSPC) out of the record it was writing, then
+    closing the archive raises RuntimeError("unexpected pos ...") over it: that RuntimeError is a
+    write failure and becomes an OSError. A RuntimeError with no failed write under it (a bug, a
+    device error while copying a tensor out) is not one and stays what it is."""
+    try:
+        torch.save(state, f)
+    except RuntimeError as e:
+        failed = _write_error(e)
+        if failed is None:
+            raise
+        raise OSError(failed.errno, f"writing {getattr(f, 'name', 'state.pt')}: {failed.strerror or failed}") from e
+
+
 def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> str:
     root = checkpoint_root(out_dir)
     os.makedirs(root, exist_ok=True)
@@ -63,7 +124,7 @@ def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[s
         os.makedirs(tmp)
         fault_error("checkpoint.write")
         with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, f)
+            _save_state(state, f)
             f.flush()
             os.fsync(f.fileno())
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from common.channel import RouterChannel
+from common.channel import CurveKeys, RouterChannel
 from common.protocol import Control, Ping, Pong, Reply
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,11 @@ class TrainerFlags:
 
 class TrainerControl(threading.Thread):
     def __init__(self, endpoint: str, flags: TrainerFlags, status: Callable[[], dict[str, Any]],
-                 max_bytes: int) -> None:
+                 max_bytes: int, curve: CurveKeys | None = None) -> None:
         super().__init__(name="trainer-control", daemon=True)
         self.flags = flags
         self.status = status
-        self.channel = RouterChannel(endpoint, hwm=64, max_bytes=max_bytes)
+        self.channel = RouterChannel(endpoint, hwm=64, max_bytes=max_bytes, curve=curve)
         self._halt = threading.Event()
 
     def run(self) -> None:

@@ -24,15 +24,17 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from common.batch import BatchError, PackedBatch, check_batch
-from common.channel import DealerChannel
+from common.channel import CurveKeys, DealerChannel
 from common.config import Config
 from common.liveness import process_start_time
 from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, Reply, Welcome,
@@ -41,6 +43,9 @@ from common.ring import ConsumerRing, RingError, StaleSlot
 from common.seqset import SeqSet
 
 log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 5.0        # a rank waiting for its target says so this often
+WAIT_POLL_S = 0.1       # how soon a wait notices that the trainer was told to stop
 
 
 @dataclass
@@ -52,10 +57,13 @@ class RingFeed:
     """Batches for one trainer rank, in the order the target server announced them."""
 
     def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
-                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None) -> None:
-        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0)."""
+                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None, *,
+                 secret: str) -> None:
+        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0);
+        secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged)."""
         self.cfg = cfg
         self.rank, self.world, self.job = rank, world, job
+        self._secret = secret
         self.wants_heldout = (rank == 0 and cfg.train.eval_every > 0) if heldout is None else heldout
         self._heldout: dict[int, PackedBatch] = {}   # held-out index -> batch on the device
         self.heldout_expected = 0                    # Welcome.heldout_batches of the current server
@@ -94,10 +102,23 @@ class RingFeed:
         """Start connecting in the I/O thread; the caller may do other set-up until wait_welcome."""
         self._thread.start()
 
-    def wait_welcome(self, timeout: float | None = None) -> Welcome:
-        if not self.welcomed.wait(timeout):
-            raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
-                               f"within {timeout}s ({self.error or 'no answer'})")
+    def wait_welcome(self, timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Welcome | None:
+        """The first WELCOME; None when `stop()` turned true first (SIGTERM, Ctrl-C, ctl shutdown).
+        Every WAIT_LOG_S the rank logs what it waits for (the server's last refusal, or silence)."""
+        started = time.monotonic()
+        next_log = started + WAIT_LOG_S
+        while not self.welcomed.wait(WAIT_POLL_S):
+            if stop is not None and stop():
+                return None
+            now = time.monotonic()
+            if timeout is not None and now - started >= timeout:
+                raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
+                                   f"within {timeout}s ({self.error or 'no answer'})")
+            if now >= next_log:
+                next_log = now + WAIT_LOG_S
+                log.info("rank %d: waiting %.0fs for the target server at %s: %s", self.rank, now - started,
+                         self.cfg.service.target_endpoint,
+                         f"it answered: {self.error}" if self.error else "no answer yet (is it running?)")
         return self.welcome
 
     def get(self, timeout: float) -> PackedBatch | EpochEndMarker | None:
@@ -130,7 +151,10 @@ class RingFeed:
     # ---- I/O thread --------------------------------------------------------------------------
     def _run(self) -> None:
         svc = self.cfg.service
-        chan = DealerChannel(svc.target_endpoint, max_bytes=svc.max_message_bytes)
+        # An identity nobody can guess: the server addresses this rank by it, and a connection that
+        # claimed a known identity would take over the rank's announcements (ROUTER_HANDOVER).
+        chan = DealerChannel(svc.target_endpoint, identity=f"rank{self.rank}-{secrets.token_hex(8)}".encode(),
+                             max_bytes=svc.max_message_bytes, curve=CurveKeys.from_config(self.cfg))
         try:
             self._hello(chan)
             last_hello = time.monotonic()
@@ -165,7 +189,8 @@ class RingFeed:
             # This HELLO declares every queued batch as held, so a FENCED for the session it replaces
             # (already on its way to us) must not drop them: the next session will not resend them.
             self._superseded_epoch = self.consumer_epoch
-        chan.send(Hello(rid=next_rid(), job=self.job, rank=self.rank, world=self.world, pid=os.getpid(),
+        chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
+                        pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout))
 
@@ -291,7 +316,8 @@ class RingFeed:
 
     def _ack(self, chan: DealerChannel, a: Announce) -> None:
         self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
-        chan.send(Ack(consumer_epoch=a.consumer_epoch, worker=a.worker, slot=a.slot, pub_seq=a.pub_seq, seq=a.seq))
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
+                      pub_seq=a.pub_seq, seq=a.seq))
 
     def _take(self, chan: DealerChannel, a: Announce) -> None:
         batch = self._read(a)
@@ -358,4 +384,5 @@ class RingFeed:
             except queue.Empty:
                 return
             if self.consumer_epoch >= 0:
-                chan.send(Commit(rid=next_rid(), consumer_epoch=self.consumer_epoch, have=have, step=step))
+                chan.send(Commit(rid=next_rid(), consumer_epoch=self.consumer_epoch, secret=self._secret,
+                                 have=have, step=step))

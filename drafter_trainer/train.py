@@ -39,13 +39,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.channel import CurveKeys
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
+from common.protocol import new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import epoch_stats, latest_checkpoint, load_checkpoint, sample_stats, save_checkpoint, sweep_partial
+from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_checkpoint, lock_out_dir, sample_stats,
+                         save_checkpoint, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import export_drafter
@@ -61,6 +64,11 @@ from .warmup import (CompileBehind, compiling_in_background, needs_compiling, pr
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
+EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
+
+
+class StoppedWaiting(Exception):
+    """Told to stop (SIGTERM, Ctrl-C, ctl shutdown) before the target server answered: nothing to save."""
 MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 
 
@@ -279,7 +287,9 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
-        sweep_partial(self.out_dir) if self.ranks.rank == 0 else None
+        if self.ranks.rank == 0:
+            self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
+            sweep_partial(self.out_dir)
         path = latest_checkpoint(self.out_dir)
         if path is None:
             return SeqSet()
@@ -355,14 +365,18 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         have = self._resume()
         job = self.ranks.broadcast_str(f"{uuid.uuid4().hex[:12]}-{os.getpid()}")
+        # rank 0 draws the session secret and the ranks share it like the job: only they may join,
+        # ack into, commit to or widen the session on the target server (never logged or shown)
+        secret = self.ranks.broadcast_str(new_session_secret())
         t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
-                                          cfg.service.max_message_bytes)
+                                          cfg.service.max_message_bytes, CurveKeys.from_config(cfg))
             self.control.start()
             start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
         self.state = "waiting_for_target"
-        self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs)
+        self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs,
+                             secret=secret)
         t_connect = time.perf_counter()
         self.startup["resume_and_endpoints_s"] = t_connect - t0
         self.feed.launch()
@@ -372,10 +386,12 @@ class Trainer:
         built = build_drafter(cfg, guess, self.device, self.startup) if guess is not None else None
         if built is not None and built[1] is not None and not self.feed.welcomed.wait(WELCOME_GRACE_S):
             built[1].start()   # the target is still loading or warming up: compile while waiting for it
-        welcome = self.feed.wait_welcome(timeout=None)
+        welcome = self.feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
             raise RuntimeError(f"feed failed: {self.feed.error}")
+        if welcome is None:
+            raise StoppedWaiting(self.flags.reason or "stop requested")
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         if built is None or not same_target(guess, welcome.target):
@@ -427,8 +443,12 @@ class Trainer:
     def _next_batch(self, ends_seen: set[int]):
         """This step's batch, or None (epoch markers are consumed here)."""
         if self.flags.drain or self.flags.paused:
+            if self.state == "training":
+                self.state = "paused"    # idle at a step boundary: what status reports (until a batch comes)
             time.sleep(PAUSED_POLL_S)    # not a hot loop: a paused trainer may idle for hours
             return None
+        if self.state == "paused":
+            self.state = "training"      # resumed
         deadline = time.monotonic() + (0.5 if self.ranks.world > 1 else 1.0)
         while time.monotonic() < deadline:
             item = self.feed.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -670,6 +690,13 @@ def main(cfg: Config) -> int:
     try:
         trainer.setup()
         rc = trainer.train_loop()
+    except OutDirInUse as e:
+        log.error("trainer refused: %s", e)
+        rc = EXIT_OUT_DIR_IN_USE
+    except StoppedWaiting as e:
+        log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
+                 "checkpoint, nothing to save", e)
+        rc = EXIT_OK
     except Exception as e:
         log.exception("trainer failed: %s", e)
     finally:

@@ -121,7 +121,7 @@ class Dispatcher:
 
     def pending_count(self) -> int:
         with self._cond:
-            return len(self._pending)
+            return self._pending.size
 
     def pending_heldout(self) -> list[int]:
         with self._cond:
@@ -174,6 +174,7 @@ class Session:
     job: str
     epochs: int
     have: SeqSet
+    secret: str = field(repr=False)   # the trainer's session secret: needed to join, ack, commit, widen
     peers: dict[bytes, RankPeer] = field(default_factory=dict)
     delivered: SeqSet = field(default_factory=SeqSet)
     committed: SeqSet = field(default_factory=SeqSet)

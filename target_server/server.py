@@ -24,6 +24,7 @@ next session.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -33,12 +34,12 @@ from typing import Any
 
 import zmq
 
-from common.channel import RouterChannel
+from common.channel import CurveKeys, RouterChannel
 from common.config import Config
 from common.liveness import pid_alive
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError,
-                             Reply, RingInfo, Welcome, next_rid)
+                             Reply, RingInfo, Welcome, next_rid, same_secret, secret_tag)
 from common.ring import SlotState
 from common.seqset import SeqSet
 
@@ -60,9 +61,13 @@ class TargetServer:
         self.quarantined = SeqSet()
         self.quarantine_log: list[dict[str, Any]] = []
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
-                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "bad_messages": 0,
+                         "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0,
+                         "bad_messages": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
+        # messages refused because of who sent them or what they claim (not malformed: those are
+        # the channel's bad_messages), by reason; none of them changes a session
+        self.refused: collections.Counter[str] = collections.Counter()
         # (worker, slot) -> (producer epoch, pub_seq) last announced from it: a publication lives in
         # one slot until it is acked or discarded, so this tells a redelivery apart in bounded memory
         self.announced_from_slot: dict[tuple[int, int], tuple[int, int]] = {}
@@ -145,7 +150,8 @@ class TargetServer:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
         self.channel = RouterChannel(self.cfg.service.target_endpoint,
                                      hwm=max(64, 4 * self.cfg.ring.slots * len(t.devices)),
-                                     max_bytes=self.cfg.service.max_message_bytes)
+                                     max_bytes=self.cfg.service.max_message_bytes,
+                                     curve=CurveKeys.from_config(self.cfg))
         start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
         with self.stages.time("data_prepare"):
             self._load_data()
@@ -171,7 +177,7 @@ class TargetServer:
         s = self.session
         with self._lock:
             counters = dict(self.counters)
-            quarantined = len(self.quarantined)
+            quarantined = self.quarantined.size
             heldout_quarantined = len(self.heldout_quarantined)
         counters["bad_messages"] = sum(self.channel.bad_messages.values()) if self.channel else 0
         return {
@@ -195,11 +201,12 @@ class TargetServer:
                         "pending": len(self.dispatcher.pending_heldout())},
             "session": None if s is None else {
                 "job": s.job, "ranks": sorted(p.rank for p in s.peers.values()), "epochs": s.epochs,
-                "have": len(s.have), "delivered": len(s.delivered), "committed": len(s.committed),
+                "have": s.have.size, "delivered": s.delivered.size, "committed": s.committed.size,
                 "last_commit_step": s.last_commit_step, "in_flight": len(s.assigned),
                 "heldout_acked": len(s.heldout_acked)},
-            "sessions": counters["sessions"], "fenced": counters["fenced"],
+            "sessions": counters["sessions"], "fenced": counters["fenced"], "finished": counters["finished"],
             "bad_messages": counters["bad_messages"],
+            "refused": dict(self.refused),
             "stages": self.stages.snapshot(),
         }
 
@@ -215,11 +222,15 @@ class TargetServer:
     def _is_heldout(info: Any) -> bool:
         return bool(info.meta.get("heldout", False))
 
-    def _end_session(self, reason: str) -> None:
+    def _end_session(self, reason: str, finished: bool = False) -> None:
+        """End the session (fence it): `finished` when its trainer ended normally, after every epoch."""
         s = self.session
         if s is None:
             return
-        log.warning("trainer session %s (consumer epoch %d) ended: %s", s.job, s.consumer_epoch, reason)
+        log.log(logging.INFO if finished else logging.WARNING, "trainer session %s (consumer epoch %d) ended: %s",
+                s.job, s.consumer_epoch, reason)
+        if finished:
+            self.counters["finished"] += 1
         for peer in s.peers.values():
             self.channel.send(peer.identity, Fenced(consumer_epoch=s.consumer_epoch, reason=reason))
         self.session = None
@@ -237,13 +248,15 @@ class TargetServer:
             if w.ring is not None:
                 w.ring.set_consumer_epoch(epoch)
         self._plan_epochs(hello.epochs)
-        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy())
+        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, have=hello.have.copy(),
+                    secret=hello.secret)
         self.session = s
         self.counters["sessions"] += 1
         self.dispatcher.reset_heldout([])  # until this session's rank 0 says whether it wants them
         self._replan()
-        log.info("trainer session %s: consumer epoch %d, %d of %d seqs already held, %d to compute",
-                 hello.job, epoch, len(s.have), self.plan.starts[hello.epochs], self.dispatcher.pending_count())
+        log.info("trainer session %s (secret #%s): consumer epoch %d, %d of %d seqs already held, %d to compute",
+                 hello.job, secret_tag(hello.secret), epoch, s.have.size, self.plan.starts[hello.epochs],
+                 self.dispatcher.pending_count())
         return s
 
     def _replan(self) -> None:
@@ -287,12 +300,27 @@ class TargetServer:
                                           error=f"target server is {self.state}; not serving yet"))
             return
         s = self.session
+        if s is not None and s.job == msg.job and not same_secret(msg.secret, s.secret):
+            # The job is public (status shows it), the secret is not: whoever this is, it is not a
+            # rank of that trainer. It must not join, widen, or become a peer whose death ends it.
+            self._refuse(peer, msg.rid, "not_member",
+                         f"hello refused: not a member of trainer session {s.job} (wrong session secret)")
+            return
         if s is not None and s.job != msg.job:
             alive = [p for p in s.peers.values() if self._peer_alive(p)]
             if alive:
-                self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
-                                              error=f"another trainer session ({s.job}, pid {alive[0].pid}) is active"))
+                self._refuse(peer, msg.rid, "busy", f"another trainer session ({s.job}, pid {alive[0].pid}) is active")
                 return
+        self._plan_epochs(msg.epochs)
+        planned = self.plan.starts[msg.epochs]
+        if msg.have.end > planned:
+            # A have set is what the trainer trained of this plan: seqs beyond it are a stranger's
+            # or another plan's, and would end epochs that were never trained.
+            self._refuse(peer, msg.rid, "out_of_plan",
+                         f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
+                         f"epoch(s) of this plan hold seqs [0, {planned})")
+            return
+        if s is not None and s.job != msg.job:
             self._end_session("replaced by a new trainer session")
             s = None
         if s is None:
@@ -323,6 +351,16 @@ class TargetServer:
                                         target=self.target_info, epoch_sizes=self.plan.sizes[: s.epochs],
                                         ready=ready, heldout_batches=self.heldout_count))
         self._announce()
+
+    def _refuse(self, peer: bytes, rid: int | None, reason: str, error: str) -> None:
+        """Count, log (the first few of each reason, then 1 in 1000) and answer a refused message;
+        the session is not touched."""
+        self.refused[reason] += 1
+        n = self.refused[reason]
+        if n <= 10 or n % 1000 == 0:
+            log.warning("refused (%s, #%d): %s", reason, n, error)
+        if rid is not None:
+            self.channel.send(peer, Reply(rid=rid, ok=False, result={}, error=error))
 
     def _peer_alive(self, p: RankPeer) -> bool:
         if time.monotonic() - p.last_seen > self.cfg.service.lease_s:
@@ -441,6 +479,10 @@ class TargetServer:
             self.channel.send(peer, Fenced(consumer_epoch=msg.consumer_epoch,
                                            reason="ack for a session that has ended"))
             return
+        if not self._is_member(peer, msg.secret):
+            self._refuse(peer, None, "not_member", f"ack of slot {msg.slot} (worker {msg.worker}) from a "
+                                                   f"connection that is no rank of session {s.job}")
+            return
         self._touch(peer)
         self._sync_deliveries()
         self._announce()
@@ -450,10 +492,20 @@ class TargetServer:
         if s is None or msg.consumer_epoch != s.consumer_epoch:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={}, error="fenced: session has ended"))
             return
+        if not self._is_member(peer, msg.secret):
+            self._refuse(peer, msg.rid, "not_member",
+                         f"commit refused: this connection is no rank of trainer session {s.job}")
+            return
         self._touch(peer)
         s.committed = msg.have.copy()
         s.last_commit_step = msg.step
-        self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": len(s.committed)}, error=""))
+        self.channel.send(peer, Reply(rid=msg.rid, ok=True, result={"committed": s.committed.size}, error=""))
+
+    def _is_member(self, peer: bytes, secret: str) -> bool:
+        """A rank of the current session: it joined with a HELLO (so its connection is a peer) and
+        this message carries the session's secret."""
+        s = self.session
+        return s is not None and peer in s.peers and same_secret(secret, s.secret)
 
     def _touch(self, peer: bytes) -> None:
         if self.session is not None and peer in self.session.peers:
@@ -512,7 +564,13 @@ class TargetServer:
             return
         for p in list(s.peers.values()):
             if not self._peer_alive(p):
-                self._end_session(f"rank {p.rank} (pid {p.pid}) is dead or silent for {self.cfg.service.lease_s}s")
+                if len(s.epochs_ended) >= s.epochs:
+                    # every epoch delivered and acked: a trainer that goes away now finished its run
+                    self._end_session(f"training finished: every epoch of the plan delivered, then rank {p.rank} "
+                                      f"(pid {p.pid}) exited (last commit: step {s.last_commit_step}, "
+                                      f"{s.committed.size} batches)", finished=True)
+                else:
+                    self._end_session(f"rank {p.rank} (pid {p.pid}) is dead or silent for {self.cfg.service.lease_s}s")
                 return
 
     def run(self) -> int:

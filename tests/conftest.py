@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 
 # FLA / causal-conv1d make transformers pick kernels that cannot run without a GPU; blocking the
 # import makes it fall back to the pure-torch implementation of the same architecture.
@@ -47,6 +49,27 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     for name in leftovers:
         os.unlink(os.path.join(path, name))
     os.rmdir(path)
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Callable[[str, str], None]]:
+    """mount(path, size): a real tmpfs of `size` (e.g. "64k") at `path`, a disk that really fills
+    up; unmounted after the test. Skips (saying why) when not root or the mount is refused."""
+    mounted: list[str] = []
+
+    def mount(path: str, size: str) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs (a real full disk) needs root")
+        os.makedirs(path, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", path], check=True)
 
 
 @pytest.fixture(scope="module")

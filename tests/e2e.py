@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import yaml
 
-from common.channel import RequestTimeout, request
+from common.channel import CurveKeys, RequestTimeout, request
 from common.protocol import Control, Reply, next_rid
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,9 +117,10 @@ class Service:
                 self.kill9()
 
 
-def ctl(endpoint: str, cmd: str, timeout: float = 2.0) -> dict[str, Any] | None:
+def ctl(endpoint: str, cmd: str, timeout: float = 2.0, curve: CurveKeys | None = None) -> dict[str, Any] | None:
     try:
-        reply = request(endpoint, Control(rid=next_rid(), cmd=cmd, args={}), timeout_s=timeout, retries=0)
+        reply = request(endpoint, Control(rid=next_rid(), cmd=cmd, args={}), timeout_s=timeout, retries=0,
+                        curve=curve)
     except RequestTimeout:
         return None
     assert isinstance(reply, Reply)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -11,13 +12,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
+import zmq.auth
 
-from common.channel import ChannelError, DealerChannel, RequestTimeout, RouterChannel, request
+from common.channel import (ChannelError, CurveKeys, DealerChannel, RequestTimeout, RouterChannel, is_loopback,
+                            make_curve_keys, request)
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
 
-HELLO = Hello(rid=1, job="job-1", rank=0, world=1, pid=os.getpid(), start_time=1, have=SeqSet([0, 1]), epochs=1,
-              credit=2, heldout=False)
+HELLO = Hello(rid=1, job="job-1", secret="ab" * 16, rank=0, world=1, pid=os.getpid(), start_time=1,
+              have=SeqSet([0, 1]), epochs=1, credit=2, heldout=False)
 
 
 @pytest.fixture
@@ -253,7 +256,8 @@ def test_request_retries_on_a_fresh_socket_and_gets_the_late_answer(fake_server:
 
 def test_request_needs_a_rid() -> None:
     with pytest.raises(ValueError, match="rid"):
-        request("ipc:///tmp/unused.sock", Ack(consumer_epoch=0, worker=0, slot=0, pub_seq=0, seq=0), timeout_s=0.1)
+        request("ipc:///tmp/unused.sock", Ack(consumer_epoch=0, secret="ab" * 16, worker=0, slot=0, pub_seq=0, seq=0),
+                timeout_s=0.1)
 
 
 def test_oversized_frames_are_counted_and_never_sent(sock_dir: str) -> None:
@@ -297,3 +301,80 @@ def test_immediate_dealer_reports_an_absent_server_instead_of_queueing(sock_dir:
         assert dealer.dropped_sends["no_peer"] == 1
     finally:
         dealer.close()
+
+
+# ---- who may connect --------------------------------------------------------------------------------
+
+def test_ipc_socket_and_its_folder_are_private_whatever_the_umask(sock_dir: str) -> None:
+    made = os.path.join(sock_dir, "made", "s.sock")        # a folder the server creates
+    own = os.path.join(sock_dir, "own", "s.sock")          # the service user's existing folder
+    os.makedirs(os.path.dirname(own), mode=0o777)
+    os.chmod(os.path.dirname(own), 0o777)
+    old = os.umask(0)                                      # the worst umask: everything 0777
+    try:
+        routers = [RouterChannel(f"ipc://{made}"), RouterChannel(f"ipc://{own}")]
+    finally:
+        os.umask(old)
+    try:
+        for path in (made, own):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+            assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700, path
+        assert stat.S_IMODE(os.stat(sock_dir).st_mode) & 0o077 == 0, "a parent is never widened either"
+    finally:
+        for r in routers:
+            r.close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://[::]:*", "tcp://example.com:5555"])
+def test_tcp_outside_loopback_is_refused_without_curve_keys(endpoint: str) -> None:
+    with pytest.raises(ChannelError, match="outside loopback.*curve_server_key"):
+        RouterChannel(endpoint)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://127.0.0.9:1", "tcp://[::1]:5555",
+                                      "tcp://localhost:5555"])
+def test_loopback_endpoints_are_loopback(endpoint: str) -> None:
+    assert is_loopback(endpoint)
+
+
+def test_curve_lets_in_the_configured_client_key_only(sock_dir: str) -> None:
+    keys = CurveKeys(*make_curve_keys(os.path.join(sock_dir, "keys")))
+    other = CurveKeys(keys.server_cert, make_curve_keys(os.path.join(sock_dir, "other"))[1])
+    router = RouterChannel("tcp://0.0.0.0:*", curve=keys)
+    port = router.endpoint.rsplit(":", 1)[1]
+    answered: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            for peer, msg in router.poll(0.05):
+                answered.append(peer)
+                router.send(peer, Reply.success(msg.rid, {"ok": 1}))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        target = f"tcp://127.0.0.1:{port}"
+        reply = request(target, Control(rid=next_rid(), cmd="status", args={}), timeout_s=10, curve=keys)
+        assert isinstance(reply, Reply) and reply.ok
+        for stranger in (other, None):    # another client key; no CURVE at all
+            with pytest.raises(RequestTimeout):
+                request(target, Control(rid=next_rid(), cmd="shutdown", args={}), timeout_s=1.5, retries=0,
+                        curve=stranger)
+        assert len(answered) == 1, "only the configured client got through"
+    finally:
+        stop.set()
+        thread.join()
+        router.close()
+
+
+def test_dfpipe_keys_writes_private_certificates_and_never_overwrites(sock_dir: str) -> None:
+    folder = os.path.join(sock_dir, "keys")
+    server, client = make_curve_keys(folder)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    for secret in (server, client):
+        assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+        public, key = zmq.auth.load_certificate(secret)
+        assert key and zmq.auth.load_certificate(secret.removesuffix("_secret"))[0] == public
+    with pytest.raises(ChannelError, match="not overwriting"):
+        make_curve_keys(folder)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_trainer.checkpoint import epoch_stats, list_checkpoints, sample_stats, save_checkpoint
+from drafter_trainer.checkpoint import (OutDirInUse, epoch_stats, list_checkpoints, lock_out_dir, sample_stats,
+                                       save_checkpoint)
 from drafter_trainer.train import Trainer
 
 
@@ -49,3 +50,44 @@ def test_metrics_lines_that_cannot_be_written_are_counted_not_fatal() -> None:
         for step in range(3):
             Trainer._write_metrics(trainer, {"step": step})
         assert trainer.metrics_lines_lost == 3
+
+
+def test_a_really_full_disk_fails_the_save_as_an_os_error_and_leaves_nothing(tmp_path: Path, small_tmpfs) -> None:
+    # torch.save on a full tmpfs raises RuntimeError("unexpected pos"), not OSError: the trainer's
+    # full-disk handling (a failed save costs the save, not the run) must still be what runs
+    root = tmp_path / "checkpoints"
+    small_tmpfs(str(root), "64k")
+    filler = root / "filler"
+    filler.write_bytes(b"\0" * 48 * 1024)
+    state, meta = {"w": torch.randn(16 * 1024)}, {"step": 3}           # 64 kB of weights: no room
+    with pytest.raises(OSError) as failed:
+        save_checkpoint(str(tmp_path), 3, state, meta, keep=2)
+    assert failed.value.errno == errno.ENOSPC and "unexpected pos" in str(failed.value.__cause__)
+    assert os.listdir(root) == ["filler"], "the half-written checkpoint is removed"
+    filler.unlink()                                                    # room again: the next save lands
+    state["w"] = torch.randn(4 * 1024)
+    path = save_checkpoint(str(tmp_path), 3, state, meta, keep=2)
+    assert list_checkpoints(str(tmp_path)) == [path]
+    assert torch.equal(torch.load(os.path.join(path, "state.pt"))["w"], state["w"])
+
+
+def test_a_runtime_error_that_is_no_failed_write_stays_a_runtime_error(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        save_checkpoint(str(tmp_path), 1, {}, {"step": 1}, keep=1)
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_one_trainer_per_out_dir_and_a_dead_holder_never_blocks(tmp_path: Path) -> None:
+    out = str(tmp_path / "run")
+    first = lock_out_dir(out)
+    try:
+        with pytest.raises(OutDirInUse, match=rf"in use by another trainer \(pid {os.getpid()}"):
+            lock_out_dir(out)                # a second open file: flock refuses it as another process
+    finally:
+        os.close(first)                      # what the kernel does when the holder dies, even by kill -9
+    os.close(lock_out_dir(out))

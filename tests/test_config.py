@@ -93,3 +93,14 @@ def test_placement_and_attention_path_are_checked() -> None:
         load_config(None, ["train.devices=[cuda:5, cuda:5]"])
     with pytest.raises(ConfigError, match="drafter.attn: auto | split | sdpa | flex"):
         load_config(None, ["drafter.attn=dense"])
+
+
+def test_curve_keys_come_in_pairs_and_resolve_against_the_config(tmp_path: Path) -> None:
+    from common.channel import CurveKeys
+    with pytest.raises(ConfigError, match="curve_server_key and service.curve_client_key: set both"):
+        load_config(None, ["service.curve_server_key=keys/server.key_secret"])
+    cfg = load_config(_write(tmp_path, "service:\n  curve_server_key: k/server.key_secret\n"
+                                       "  curve_client_key: k/client.key_secret\n"))
+    assert CurveKeys.from_config(cfg) == CurveKeys(str(tmp_path / "k/server.key_secret"),
+                                                   str(tmp_path / "k/client.key_secret"))
+    assert CurveKeys.from_config(load_config(None)) is None

@@ -148,6 +148,63 @@ def test_target_killed_mid_epoch_trainer_waits_and_resumes_with_nothing_lost(tmp
     _no_ring_files(cfg)
 
 
+def test_a_second_trainer_on_the_same_out_dir_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cfg = load(config)
+    ep_trainer = cfg["service"]["trainer_endpoint"]
+    services: list[Service] = []
+    try:
+        _, first = _serving_target_and_trainer(config, tmp_path, services)
+        assert ctl(ep_trainer, "pause") is not None
+        wait_for(lambda: (s := ctl(ep_trainer, "status")) and s["state"] == "paused", 60, "trainer paused")
+        # the first trainer's save in progress, as a second trainer would find it
+        in_progress = tmp_path / "run" / "checkpoints" / ".tmp-step-00000099-1"
+        in_progress.mkdir(parents=True)
+        before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+        # another control endpoint: only the out_dir is shared
+        second = Service("trainer", config, tmp_path,
+                         overrides=[f"service.trainer_endpoint={ep_trainer.removesuffix('.sock')}-2.sock"])
+        services.append(second)
+        assert second.wait(120) == 5, second.log()
+        assert f"is in use by another trainer (pid {first.pid}" in second.log(), second.log()
+        assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before, "the refused trainer touched nothing"
+        assert in_progress.is_dir() and first.alive()
+        assert ctl(ep_trainer, "resume") is not None
+        assert first.wait(300) == 0, first.log()
+        assert_exactly_once(config)
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
+
+
+def test_a_really_full_tmpfs_costs_each_save_and_never_the_run(tmp_path: Path, small_tmpfs) -> None:
+    # no injected fault: the checkpoints folder is a tmpfs too small for one checkpoint, where
+    # torch.save fails with RuntimeError("unexpected pos") (it used to end the trainer with exit 1)
+    config = write_config(tmp_path, train={"max_checkpoint_failures": 99})   # 16 batches, a save every 3 steps
+    cfg = load(config)
+    ckpts = tmp_path / "run" / "checkpoints"
+    small_tmpfs(str(ckpts), "16k")
+    services: list[Service] = []
+    try:
+        target = Service("target-server", config, tmp_path)
+        services.append(target)
+        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        full = Service("trainer", config, tmp_path)
+        services.append(full)
+        assert full.wait(300) == 4, full.log()       # handled: "no final checkpoint", not a crash
+        log = full.log(tail=10_000)
+        failed = log.count("failed: [Errno 28] writing")
+        assert failed == 6, log                       # steps 3, 6, 9, 12, 15 and the final one at 16
+        assert "No space left on device" in log and "Traceback" not in log, log
+        assert "6 of 99 failures in a row" in log and "at step 16, without a final checkpoint" in log, log
+        assert list(ckpts.iterdir()) == [], "every failed save removed"
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
+
+
 def test_a_full_disk_fails_checkpoints_without_losing_a_sample_and_a_lasting_one_stops_the_trainer(
         tmp_path: Path) -> None:
     config = write_config(tmp_path)    # 16 batches, a checkpoint every 3 steps

@@ -21,9 +21,10 @@ from common.protocol import (
 )
 from common.seqset import SeqSet
 
+SECRET = "0123456789abcdef0123456789abcdef"
 RING = RingInfo(worker=0, path="/dev/shm/dfpipe.w0.17", slot_count=6, slot_size=64 << 20, producer_epoch=17)
 SAMPLES: dict[str, Message] = {
-    "hello": Hello(rid=7, job="3f2a9c1b0d4e-4242", rank=1, world=2, pid=4242, start_time=123456,
+    "hello": Hello(rid=7, job="3f2a9c1b0d4e-4242", secret=SECRET, rank=1, world=2, pid=4242, start_time=123456,
                    have=SeqSet.from_ranges([(0, 90), (95, 97)]),
                    epochs=6, credit=2, heldout=False),
     "welcome": Welcome(rid=7, consumer_epoch=3,
@@ -33,8 +34,8 @@ SAMPLES: dict[str, Message] = {
                        epoch_sizes=[100, 100, 101], ready=[90, 91], heldout_batches=4),
     "announce": Announce(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150, epoch=1, heldout=False),
     "epoch_end": EpochEnd(consumer_epoch=3, epoch=0),
-    "ack": Ack(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150),
-    "commit": Commit(rid=8, consumer_epoch=3, have=SeqSet.from_ranges([(0, 120)]), step=200),
+    "ack": Ack(consumer_epoch=3, secret=SECRET, worker=1, slot=5, pub_seq=1000, seq=150),
+    "commit": Commit(rid=8, consumer_epoch=3, secret=SECRET, have=SeqSet.from_ranges([(0, 120)]), step=200),
     "ping": Ping(rid=9, t=1712.5),
     "pong": Pong(rid=9, t=1712.5),
     "control": Control(rid=10, cmd="pause", args={"reason": "maintenance", "timeout_s": 2.5, "force": True, "n": 3}),
@@ -88,9 +89,23 @@ def test_status_built_from_service_types_becomes_plain_json() -> None:
 
 def test_message_snapshots_the_callers_seqset() -> None:
     have = SeqSet([1, 2])
-    msg = Commit(rid=1, consumer_epoch=0, have=have, step=1)
+    msg = Commit(rid=1, consumer_epoch=0, secret=SECRET, have=have, step=1)
     have.add(50)
     assert 50 not in msg.have and decode(msg.encode()).have == SeqSet([1, 2])
+
+
+@pytest.mark.parametrize("bad", ["", "ab" * 15, "ab" * 17, "AB" * 16, "zz" * 16, "ab" * 15 + "a ", 17, None])
+def test_a_session_secret_is_32_lowercase_hex_digits_and_never_shown(bad: Any) -> None:
+    body = {"v": PROTOCOL_VERSION, "type": "ack", **SAMPLES["ack"].to_wire(), "secret": bad}
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb(body, use_bin_type=True))
+    assert e.value.code == "field" and "ack.secret" in str(e.value)
+    assert not isinstance(bad, str) or not bad or bad not in str(e.value), "an error never echoes a secret"
+    fresh = {protocol.new_session_secret() for _ in range(3)}
+    assert len(fresh) == 3 and all(len(x) == 32 for x in fresh)
+    for kind in ("hello", "ack", "commit"):
+        assert SECRET not in repr(SAMPLES[kind]), f"{kind}: logging a message must not log its secret"
+    assert protocol.secret_tag(SECRET) not in SECRET and len(protocol.secret_tag(SECRET)) == 8
 
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, str(PROTOCOL_VERSION),

@@ -103,11 +103,14 @@ json_like = st.recursive(
 )
 
 
+session_secrets = st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
+
+
 @st.composite
 def hellos(draw: Any) -> Hello:
     world = draw(st.integers(1, 1 << 16))
     rank = draw(st.one_of(st.just(0), st.integers(0, world - 1)))
-    return Hello(rid=draw(u63), job=draw(st.text(min_size=1, max_size=40)), rank=rank,
+    return Hello(rid=draw(u63), job=draw(st.text(min_size=1, max_size=40)), secret=draw(session_secrets), rank=rank,
                  world=world, pid=draw(st.integers(1, INT64_MAX)),
                  start_time=draw(u63), have=draw(seq_sets()), epochs=draw(st.integers(1, 4096)),
                  credit=draw(st.integers(1, 1024)), heldout=draw(st.booleans()) if rank == 0 else False)
@@ -135,9 +138,10 @@ messages = st.one_of(
               seq=u63, epoch=u63, heldout=st.just(False)),
     st.builds(Announce, consumer_epoch=u63, worker=st.integers(0, 1023), slot=st.integers(0, 65535), pub_seq=u63,
               seq=st.integers(0, (1 << 12) - 1), epoch=st.just(0), heldout=st.just(True)),
-    st.builds(Ack, consumer_epoch=u63, worker=st.integers(0, 1023), slot=st.integers(0, 65535), pub_seq=u63, seq=u63),
+    st.builds(Ack, consumer_epoch=u63, secret=session_secrets, worker=st.integers(0, 1023),
+              slot=st.integers(0, 65535), pub_seq=u63, seq=u63),
     st.builds(EpochEnd, consumer_epoch=u63, epoch=u63),
-    st.builds(Commit, rid=u63, consumer_epoch=u63, have=seq_sets(), step=u63),
+    st.builds(Commit, rid=u63, consumer_epoch=u63, secret=session_secrets, have=seq_sets(), step=u63),
     st.builds(Ping, rid=u63, t=finite), st.builds(Pong, rid=u63, t=finite),
     st.builds(Control, rid=u63, cmd=st.sampled_from(CONTROL_COMMANDS),
               args=st.dictionaries(key, st.one_of(st.text(max_size=30), i64, finite, st.booleans()), max_size=6)),

@@ -1,12 +1,14 @@
 """SeqSet: a set of batch seqs as ranges, checked against a plain Python set."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.protocol import ProtocolError
-from common.seqset import SeqSet
+from common.seqset import SEQ_LIMIT, SeqSet
 
 # Small values so random operations collide, touch and overlap often.
 seqs = st.integers(0, 60)
@@ -54,7 +56,8 @@ def _apply(ops_list: list) -> tuple[SeqSet, set[int]]:
 def test_seqset_behaves_like_a_python_set(ops_list: list, window: tuple[int, int]) -> None:
     s, ref = _apply(ops_list)
     assert list(s) == sorted(ref)
-    assert len(s) == len(ref)
+    assert len(s) == s.size == len(ref)
+    assert s.end == (max(ref) + 1 if ref else 0)
     assert bool(s) == bool(ref)
     for x in range(0, 80):
         assert (x in s) == (x in ref)
@@ -94,6 +97,14 @@ def test_union_and_subset_agree_with_python_sets(ops1: list, ops2: list) -> None
 def test_wire_round_trip_is_exact(ops_list: list) -> None:
     s, _ = _apply(ops_list)
     assert SeqSet.from_wire(s.to_wire()) == s
+
+
+def test_the_size_of_a_set_wider_than_sys_maxsize_is_exact() -> None:
+    # a peer may send [[0, 2**63]]: len() cannot say how many that is, `size` can
+    everything = SeqSet.from_wire([[0, SEQ_LIMIT]])
+    assert everything.size == SEQ_LIMIT > sys.maxsize and everything.end == SEQ_LIMIT
+    with pytest.raises(OverflowError):
+        len(everything)
 
 
 def test_touching_ranges_merge_into_one_run() -> None:

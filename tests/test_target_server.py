@@ -19,7 +19,7 @@ from common.channel import DealerChannel
 from common.config import load_config
 from common.liveness import process_start_time, self_identity
 from common.metrics import StageTimes
-from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, next_rid
+from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, new_session_secret, next_rid
 from common.ring import ConsumerRing
 from common.seqset import SeqSet
 from e2e import Service, ctl, load, wait_for, write_config, write_heldout
@@ -38,7 +38,8 @@ class ScriptedConsumer:
         heldout: ask for the held-out batches, and leave the first `unacked_heldout` of them unacked."""
         self.chan = DealerChannel(endpoint)
         pid, start = identity or self_identity()
-        self.hello = Hello(rid=next_rid(), job=job, rank=0, world=1, pid=pid, start_time=start,
+        self.secret = new_session_secret()
+        self.hello = Hello(rid=next_rid(), job=job, secret=self.secret, rank=0, world=1, pid=pid, start_time=start,
                            have=have, epochs=1, credit=2, heldout=heldout)
         self.chan.send(self.hello)
         self.welcome = self._expect(Welcome, 120)
@@ -98,7 +99,7 @@ class ScriptedConsumer:
 
     def _ack(self, msg: Announce) -> None:
         self.rings[msg.worker].ack(msg.slot, msg.pub_seq, msg.consumer_epoch)
-        self.chan.send(Ack(consumer_epoch=msg.consumer_epoch, worker=msg.worker, slot=msg.slot,
+        self.chan.send(Ack(consumer_epoch=msg.consumer_epoch, secret=self.secret, worker=msg.worker, slot=msg.slot,
                            pub_seq=msg.pub_seq, seq=msg.seq))
 
     def close(self) -> None:
@@ -244,7 +245,7 @@ def test_garbage_and_wrong_epoch_messages_are_counted_and_dropped(two_worker_ser
     for junk in (b"", b"\x00\xff\x13", b"\x81\xa1v\x63", os.urandom(2048)):
         raw.send(junk)
     chan = DealerChannel(endpoint)
-    chan.send(Ack(consumer_epoch=999, worker=0, slot=0, pub_seq=1, seq=0))  # a session that never was
+    chan.send(Ack(consumer_epoch=999, secret="ab" * 16, worker=0, slot=0, pub_seq=1, seq=0))  # a session that never was
     reply = None
     deadline = time.monotonic() + 10
     while reply is None and time.monotonic() < deadline:

@@ -4,6 +4,7 @@ from the tokenizer's JSON files instead of importing transformers."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from common.config import Config, validate
 from common.liveness import process_age_s
 from drafter_trainer.train import MASK_TOKENS, added_token_ids, expected_target, mask_token_id, same_target
+from e2e import Service, ctl, load, wait_for, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,3 +184,23 @@ def test_the_compiler_stack_is_imported_in_the_background() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "preload-compiler", "True", "True"], out.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["SIGTERM", "ctl shutdown"])
+def test_a_trainer_waiting_for_its_target_says_so_and_stops_when_told(how: str, tmp_path: Path) -> None:
+    config = write_config(tmp_path)                  # no target server is started
+    cfg = load(config)
+    trainer = Service("trainer", config, tmp_path)
+    try:
+        wait_for(lambda: "waiting" in trainer.log() and "for the target server at" in trainer.log(), 120,
+                 "the waiting trainer's log line")
+        assert "no answer yet (is it running?)" in trainer.log()
+        if how == "SIGTERM":
+            trainer.signal(signal.SIGTERM)
+        else:
+            assert ctl(cfg["service"]["trainer_endpoint"], "shutdown") is not None
+        assert trainer.wait(20) == 0, trainer.log()
+        assert "while waiting for the target server" in trainer.log()
+    finally:
+        trainer.stop()
