@@ -57,7 +57,7 @@ def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
     for svc in (target, trainer):
         assert svc["ipc"] == "host", "rings live in /dev/shm: both services must share the host's"
         assert "/etc/dfpipe/config.yaml" in _mount_targets(svc)
-    assert _gpus(target) == ["0", "1", "2", "3", "4"] and _gpus(trainer) == ["5", "6", "7"]
+    assert _gpus(target) == ["0", "1", "2"] and _gpus(trainer) == ["3", "4", "5", "6", "7"]   # 3+5
     assert trainer["restart"] == "on-failure"
     assert target["restart"] in ("unless-stopped", "always", "on-failure")
     # the target must not be tied to the trainer's lifecycle
