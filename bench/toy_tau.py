@@ -160,7 +160,7 @@ def train_through_pipeline(args: argparse.Namespace, target_dir: str, data_path:
     lengths = np.array([len(ids) for ids, _ in tt.encode_chats(tt.load_tokenizer(target_dir), samples)])
     batches_per_epoch = Packer(lengths, recipe.token_budget, args.seed).epoch_size(0)
     epochs = max(1, round(args.steps / batches_per_epoch))
-    run = os.path.join(args.cache_dir, "pipeline-run")
+    run = os.path.join(args.cache_dir, f"pipeline-run-a{recipe.max_anchors}")
     config = os.path.join(args.cache_dir, "pipeline.yaml")
     sockets = os.path.join("/tmp", f"dfpipe-toytau-{os.getpid()}")
     with open(config, "w", encoding="utf-8") as f:
@@ -189,7 +189,7 @@ def train_through_pipeline(args: argparse.Namespace, target_dir: str, data_path:
     exports = []
     for ckpt in list_checkpoints(run):
         step = int(read_meta(ckpt)["step"])
-        out = os.path.join(args.cache_dir, "pipeline-exports", f"step-{step:06d}")
+        out = os.path.join(args.cache_dir, f"pipeline-exports-a{recipe.max_anchors}", f"step-{step:06d}")
         export_checkpoint(cfg, ckpt, out, target_dir)
         nearest = min(logged, key=lambda k: abs(k - step), default=None)
         exports.append((step, out, *(logged[nearest] if nearest is not None else (float("nan"), float("nan")))))
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--mode", choices=["pipeline", "in-process"], default="pipeline")
+    ap.add_argument("--anchors", type=int, default=512,
+                    help="drafter.max_anchors: anchors per document (512: the published recipe)")
     args = ap.parse_args(argv)
     os.makedirs(args.cache_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file = os.path.join(args.out, "toy_tau_prompts.jsonl")
     toy_corpus.write_jsonl(heldout, prompts_file)
     prompts = ev.load_prompts(prompts_file, tokenizer)
-    recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr)
+    recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr,
+                              max_anchors=args.anchors)
     references: dict[int, ev.GreedyOutput] = {}
     target: ev.TargetModel | None = None
     points: list[dict[str, Any]] = []
