@@ -45,7 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.batch import PackedBatch, check_batch, document_positions  # noqa: E402
 from drafter_trainer.blocks import AttentionLayout, anchor_seed, build_blocks, sample_anchors  # noqa: E402
-from drafter_trainer.loss import dflash_loss  # noqa: E402
+from common.config import TrainConfig  # noqa: E402
+from drafter_trainer.optim import trainer_adamw  # noqa: E402
+from drafter_trainer.step import Ranks, StepSettings, train_step  # noqa: E402
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 
 
@@ -159,16 +161,14 @@ def run_variant(args: argparse.Namespace, cfg: DFlashConfig, batch: PackedBatch,
                           torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02)
     model.checkpoint_layers = args.checkpoint_layers
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    opt = trainer_adamw(params, TrainConfig(), device, build_in_background=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    settings = StepSettings(loss_chunk=args.chunk, blocks_per_chunk=args.blocks_per_chunk,
+                            compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ranks = Ranks(str(device))
 
-    def step() -> None:
-        with autocast:
-            out = dflash_loss(model, batch, blocks, chunk=args.chunk)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step() -> None:   # the trainer's own step
+        train_step(model, opt, batch, blocks, 6e-4, settings, ranks)
 
     def fc_only() -> None:
         with autocast:
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--sweep-anchors", default="", help="comma list: peak memory vs N at fixed chunk")
+    p.add_argument("--sweep-anchors", default="", help="comma list of anchors per document: peak memory vs N at a fixed chunk")
+    p.add_argument("--blocks-per-chunk", type=int, default=0, help="drafter.blocks_per_chunk (0: auto)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                  else f" threads {torch.get_num_threads()}"))
         print(f"# H={args.hidden} layers={args.layers} heads={args.heads}/{args.kv_heads}x{args.head_dim} "
               f"I={args.intermediate} V={args.vocab} k={args.capture_layers} T={args.tokens} D={args.docs} "
-              f"B={args.block} chunk={args.chunk} attn={args.attn} window={args.sliding_window or '-'} "
+              f"B={args.block} chunk={args.chunk} blocks/chunk={args.blocks_per_chunk or 'auto'} attn={args.attn} window={args.sliding_window or '-'} "
               f"compile={args.compile}")
         print("| N | fc | step s | ctx tok/s | block rows/s | step peak MiB | fc fwd+bwd peak MiB "
               "| logits if materialised MiB | model GFLOP | executed GFLOP | model TFLOP/s | MFU |")
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(anchor_seed(0, 0, args.anchors))
     anchors = sample_anchors(batch.loss_mask, batch.doc_lens, args.anchors, gen)
     blocks = build_blocks(batch, anchors, args.block, cfg.mask_token_id, 7.0)
-    flops = step_flops(cfg, batch, blocks, args.attn)
+    flops = step_flops(cfg, batch, blocks, args.attn, args.blocks_per_chunk)
     rows = blocks.num_blocks * blocks.block_size
     logits_mib = int((blocks.weights > 0).sum()) * args.vocab * 4 / 2**20
     split_fc = args.split_fc == "on"

@@ -57,7 +57,7 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
                          cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = json.loads(first.read_text())["steps"]
-    assert len(steps) == 3 and all(s["step"] > 0 and s["forward_loss"] > 0 for s in steps)
+    assert len(steps) == 3 and all(s["step"] > 0 and s["train_step"] > 0 and s["loss"] > 0 for s in steps)
     assert "aten::" in (tmp_path / "profile.txt").read_text()
 
 

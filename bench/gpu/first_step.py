@@ -5,7 +5,7 @@
 A fresh process builds the drafter as the trainer does with `drafter.warm_up: behind` (eager,
 dense-mask SDPA where flex is the compiled path; the trainer's AdamW; dynamo imported before the
 steps, none beside them), then times three steps on one of the fixtures' packed batches, each phase behind a
-device synchronize: blocks, forward + loss, backward, clip, update. Also recorded: the caching
+device synchronize: blocks, then the trainer's whole step (`train_step`: forward and backward interleave chunk by chunk). Also recorded: the caching
 allocator's device allocations (cudaMalloc calls) and reserved bytes after each step.
 `--reserve` first grows the allocator by the step's footprint in one allocation (freed at once,
 kept cached) and times that: whether the first step's extra time is the allocator's growth.
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from bench.gpu.drafter_rig import DrafterRig
-    from drafter_trainer.loss import dflash_loss
+    from drafter_trainer.step import train_step
     from drafter_trainer.warmup import eager_attention
 
     device = torch.device(a.device)
@@ -92,16 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = start = time.perf_counter()
         blocks = rig.blocks_for(batch, 0)
         t0 = mark("blocks", t0)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = dflash_loss(rig.model, batch, blocks, a.loss_chunk).loss
-        t0 = mark("forward_loss", t0)
-        loss.backward()
-        t0 = mark("backward", t0)
-        torch.nn.utils.clip_grad_norm_(rig.params, 1.0)
-        t0 = mark("clip", t0)
-        rig.optimizer.step(1e-4)
-        rig.optimizer.zero_grad()
-        mark("update", t0)
+        # the trainer's step: forward and backward interleave chunk by chunk, so they are one phase
+        result = train_step(rig.model, rig.optimizer, batch, blocks, 1e-4, rig.settings, rig.one_rank)
+        phases["loss"] = float(result.out.loss)
+        mark("train_step", t0)
         phases["step"] = time.perf_counter() - start
         if prof is not None:
             prof.__exit__(None, None, None)
