@@ -8,12 +8,10 @@ The full procedure, each stage cached under --cache-dir so a rerun skips what it
   2. drafter data   the first --train-samples corpus prompts answered by the target itself (greedy):
                     DFlash trains a drafter on its target's responses; written as chat JSONL, the
                     same file `data.train_path` of the two-service pipeline would read
-  3. drafter        --mode pipeline (default): trained through the two services, `dfpipe demo`
-                    (target_server -> /dev/shm ring -> drafter_trainer) with a checkpoint every
-                    --eval-every steps, each checkpoint exported with `dfpipe export`'s code;
-                    --mode in-process: `dfpipe.toy_target.train_toy_drafter` (the same capture,
-                    anchors, blocks and loss in one process, no ring, no ZeroMQ). Step 0 is an
-                    untrained drafter.
+  3. drafter        trained through the two services, `dfpipe demo`'s path (target_server ->
+                    /dev/shm ring -> drafter_trainer) with up to --anchors anchors per document and
+                    a checkpoint every --eval-every steps, each checkpoint exported with `dfpipe
+                    export`'s code. Step 0 is an untrained drafter.
   4. evaluation     `dfpipe.eval.evaluate` on --eval-prompts held-out corpus prompts: measured tau,
                     acceptance per block position, and the lossless check (every output must equal
                     plain greedy decoding; the script exits 1 if one does not)
@@ -103,93 +101,43 @@ def plot(points: list[dict[str, Any]], block_size: int, png: str) -> bool:
     return True
 
 
-PIPELINE_CONFIG = """\
-# written by bench/toy_tau.py: the two services on the toy target
-ring:
-  name: dfpipe-toytau
-  slots: 4
-data:
-  train_path: {data}
-  token_budget: {token_budget}
-  max_len: 1024
-  seed: {seed}
-target:
-  model: {target}
-  cache_dir: {cache}
-  devices: [cpu]
-  audit_every: 0
-drafter:
-  num_layers: {layers}
-  block_size: {block}
-  max_anchors: {anchors}
-train:
-  out_dir: {run}
-  epochs: {epochs}
-  lr: {lr}
-  warmup_ratio: 0.05
-  checkpoint_every: {every}
-  keep_checkpoints: 1000
-  log_every: 5
-  max_steps: {steps}
-  seed: {seed}
-  tensorboard: false
-service:
-  target_endpoint: ipc://{sock}/target.sock
-  trainer_endpoint: ipc://{sock}/trainer.sock
-  heartbeat_s: 0.5
-  lease_s: 10.0
-  rescan_s: 0.25
-"""
-
-
-def train_through_pipeline(args: argparse.Namespace, target_dir: str, data_path: str,
+def train_through_services(args: argparse.Namespace, target_dir: str, data_path: str,
                            samples: list[dict[str, Any]], recipe: tt.DrafterRecipe
                            ) -> list[tuple[int, str, float, float]]:
-    """Run `dfpipe demo` on the toy target; (step, exported drafter, implied tau, loss) per checkpoint.
+    """Both services on the toy target (`tt.train_drafter_through_services`), a checkpoint every
+    --eval-every steps, each exported; (step, export, implied tau, loss) per checkpoint, the
+    implied tau and loss being the trainer's logged values at the nearest logged step."""
+    import numpy as np
 
-    implied tau and loss are the trainer's logged values at the nearest logged step."""
     from common.config import load_config
-    from dfpipe.demo import run_demo
     from dfpipe.export_cmd import export_checkpoint
     from drafter_trainer.checkpoint import list_checkpoints, read_meta
-
-    import numpy as np
     from target_server.packer import Packer
 
     # Whole epochs, so the trainer's cosine schedule (a function of planned batches) runs to its end.
     lengths = np.array([len(ids) for ids, _ in tt.encode_chats(tt.load_tokenizer(target_dir), samples)])
     batches_per_epoch = Packer(lengths, recipe.token_budget, args.seed).epoch_size(0)
     epochs = max(1, round(args.steps / batches_per_epoch))
-    run = os.path.join(args.cache_dir, f"pipeline-run-a{recipe.max_anchors}")
-    config = os.path.join(args.cache_dir, "pipeline.yaml")
-    sockets = os.path.join("/tmp", f"dfpipe-toytau-{os.getpid()}")
-    with open(config, "w", encoding="utf-8") as f:
-        f.write(PIPELINE_CONFIG.format(
-            data=data_path, token_budget=recipe.token_budget, seed=args.seed, target=target_dir,
-            cache=os.path.join(args.cache_dir, "pipeline-cache"), layers=recipe.num_layers, block=recipe.block_size,
-            anchors=recipe.max_anchors, run=run, epochs=epochs, lr=args.lr,
-            every=args.eval_every, steps=0, sock=sockets))
-    log(f"two-service training: {config}: {epochs} epochs of {batches_per_epoch} batches "
+    run = os.path.join(args.cache_dir, f"services-run-a{recipe.max_anchors}")
+    shutil.rmtree(run, ignore_errors=True)
+    log(f"two-service training in {run}: {epochs} epochs of {batches_per_epoch} batches "
         f"(--steps {args.steps} rounded to whole epochs)")
-    try:
-        rc = run_demo(config)
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
-    if rc != 0:
-        raise SystemExit(f"the pipeline run failed with exit code {rc}; logs under {run}/logs")
+    config = tt.train_drafter_through_services(target_dir, data_path, run, recipe, epochs, seed=args.seed,
+                                               checkpoint_every=args.eval_every)
     logged: dict[int, tuple[float, float]] = {}
-    metrics = os.path.join(run, "metrics.jsonl")
+    metrics = os.path.join(run, "train", "metrics.jsonl")
     if os.path.isfile(metrics):
         with open(metrics, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     rec = json.loads(line)
-                    logged[int(rec["step"])] = (float(rec.get("tau", "nan")), float(rec.get("loss", "nan")))
+                    if "loss" in rec:
+                        logged[int(rec["step"])] = (float(rec.get("tau", "nan")), float(rec["loss"]))
     cfg = load_config(config)
     exports = []
-    for ckpt in list_checkpoints(run):
+    for ckpt in list_checkpoints(os.path.join(run, "train")):
         step = int(read_meta(ckpt)["step"])
-        out = os.path.join(args.cache_dir, f"pipeline-exports-a{recipe.max_anchors}", f"step-{step:06d}")
+        out = os.path.join(run, "exports", f"step-{step:06d}")
         export_checkpoint(cfg, ckpt, out, target_dir)
         nearest = min(logged, key=lambda k: abs(k - step), default=None)
         exports.append((step, out, *(logged[nearest] if nearest is not None else (float("nan"), float("nan")))))
@@ -204,14 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-samples", type=int, default=1500, help="prompts the target answers for the drafter")
     ap.add_argument("--steps", type=int, default=400,
-                    help="drafter optimizer steps (pipeline mode: rounded to whole epochs)")
+                    help="drafter optimizer steps (rounded to whole epochs)")
     ap.add_argument("--eval-every", type=int, default=80)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--mode", choices=["pipeline", "in-process"], default="pipeline")
     ap.add_argument("--anchors", type=int, default=512,
                     help="drafter.max_anchors: anchors per document (512: the published recipe)")
     args = ap.parse_args(argv)
@@ -251,27 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"step {step}: tau {report.tau:.2f} (implied {implied:.2f}), loss {loss:.3f}, "
             f"lossless {report.lossless}, {report.generated_tokens} tokens / {report.target_forwards} forwards")
 
-    def on_step(info: tt.DrafterStep, model: Any) -> None:
-        if info.step == 1:
-            log(f"drafter step time {info.seconds:.2f} s")
-        if info.step % args.eval_every == 0 or info.step == args.steps:
-            evaluate(info.step, info.implied_tau, info.loss, model)
-
-    # step 0: the untrained drafter (same initialisation as the trained one)
-    untrained = tt.train_toy_drafter(target_dir, samples[:1], steps=0, recipe=recipe, seed=args.seed)
-    evaluate(0, 1.0, float("nan"), untrained)
+    # step 0: the untrained drafter (the trainer's initialisation)
+    evaluate(0, 1.0, float("nan"), tt.untrained_drafter(target_dir, recipe, seed=args.seed))
     t_train = time.monotonic()
-    if args.mode == "in-process":
-        drafter = tt.train_toy_drafter(target_dir, samples, steps=args.steps, recipe=recipe, seed=args.seed,
-                                       on_step=on_step)
-        from drafter_trainer.export import export_drafter
-        export_dir = os.path.join(args.cache_dir, f"drafter-b{args.block_size}-steps{args.steps}")
-        export_drafter(drafter, export_dir)
-    else:
-        export_dir = ""
-        from drafter_trainer.export import load_drafter
-        for step, export_dir, implied, loss in train_through_pipeline(args, target_dir, data_path, samples, recipe):
-            evaluate(step, implied, loss, load_drafter(export_dir, target_dir))
+    from drafter_trainer.export import load_drafter
+    export_dir = ""
+    for step, export_dir, implied, loss in train_through_services(args, target_dir, data_path, samples, recipe):
+        evaluate(step, implied, loss, load_drafter(export_dir, target_dir))
     train_and_eval_s = time.monotonic() - t_train
 
     result = {

@@ -29,9 +29,9 @@ function of the step alone, reproducible across machines (bit-exact only as far 
 kernels are; the time budget still caps the run). On a shared CPU, OMP_NUM_THREADS=1 is faster
 than oversubscribed threads (torch's intra-op threads spin while another process holds the cores).
 
-The second half of the file trains a drafter for the toy target in-process (`regenerate_answers`,
-`train_toy_drafter`): the target server's capture and the trainer's anchors, blocks and loss
-without the ring in between, for bench/toy_tau.py and tests.
+The second half of the file trains a drafter for the toy target (`regenerate_answers`: the target's
+own answers as training data; `train_drafter_through_services`: both services, as users run them)
+for bench/toy_tau.py and the CI's acceptance-length test.
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def pad_batch(docs: list[tuple[list[int], list[int]]], pad_id: int, prompt_weigh
     return input_ids, weights
 
 
-def lr_at(step: int, progress: float, recipe: ToyRecipe | DrafterRecipe) -> float:
+def lr_at(step: int, progress: float, recipe: ToyRecipe) -> float:
     """Linear warmup over the first steps, then cosine from lr down to min_lr_ratio * lr as progress goes 0 -> 1."""
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
@@ -438,112 +438,95 @@ def regenerate_answers(target_dir: str, samples: list[toy_corpus.Sample], max_ne
 
 @dataclass
 class DrafterRecipe:
-    """Knobs of the in-process drafter training (DESIGN.md section 4 recipe, shortened for a CPU)."""
+    """The drafter's knobs for a run on the toy target (the DFlash recipe, shortened for a CPU)."""
     num_layers: int = 2
     block_size: int = 16
     token_budget: int = 2048
-    max_anchors: int = 256
+    max_anchors: int = 512              # per document
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    loss_chunk: int = 1024
+    warmup_ratio: float = 0.05
 
 
-@dataclass
-class DrafterStep:
-    """What `train_toy_drafter` reports after each step."""
-    step: int
-    epoch: int
-    loss: float
-    implied_tau: float      # from this batch's per-position accuracy (an estimate; eval measures tau)
-    seconds: float
+SERVICES_CONFIG = """\
+# written by dfpipe.toy_target.train_drafter_through_services: both services on the toy target
+ring:
+  name: {ring}
+  slots: 4
+data:
+  train_path: {data}
+  token_budget: {token_budget}
+  max_len: 1024
+  seed: {seed}
+target:
+  model: {target}
+  cache_dir: {run}/cache
+  devices: [cpu]
+  audit_every: 0
+drafter:
+  num_layers: {layers}
+  block_size: {block}
+  max_anchors: {anchors}
+train:
+  out_dir: {run}/train
+  epochs: {epochs}
+  lr: {lr}
+  warmup_ratio: {warmup_ratio}
+  min_lr_ratio: {min_lr_ratio}
+  checkpoint_every: {every}
+  keep_checkpoints: 1000
+  log_every: 5
+  seed: {seed}
+  tensorboard: false
+service:
+  target_endpoint: ipc://{sockets}/target.sock
+  trainer_endpoint: ipc://{sockets}/trainer.sock
+  heartbeat_s: 0.5
+  lease_s: 10.0
+  rescan_s: 0.25
+"""
 
 
-def pack_documents(docs: list[tuple[list[int], list[int]]], token_budget: int) -> list[list[int]]:
-    """Indices of docs grouped, in order, into rows of at most token_budget tokens (longer docs skipped, logged)."""
-    rows: list[list[int]] = [[]]
-    used = 0
-    for i, (ids, _) in enumerate(docs):
-        if len(ids) > token_budget:
-            log.warning("drafter data: document %d has %d tokens > token budget %d; skipped", i, len(ids),
-                        token_budget)
-            continue
-        if used + len(ids) > token_budget:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += len(ids)
-    return [r for r in rows if r]
-
-
-def train_toy_drafter(target_dir: str, samples: list[toy_corpus.Sample], steps: int,
-                      recipe: DrafterRecipe | None = None, seed: int = 0, device: torch.device | None = None,
-                      on_step: Callable[[DrafterStep, Any], None] | None = None) -> Any:
-    """Train a DFlash drafter for `steps` optimizer steps on the target's captured states of `samples`.
-
-    The samples are packed once into rows of token_budget tokens and captured once (the target
-    is frozen, so epochs reuse the planes); anchors are resampled every epoch. on_step(step_info,
-    model) runs after every step (evaluation, export, logging). Returns the drafter (train mode off).
+def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str, recipe: DrafterRecipe,
+                                   epochs: int, seed: int = 0, checkpoint_every: int = 0) -> str:
+    """Train a drafter for the toy target on the chat file `data_path` through both services, the
+    path users run (`dfpipe demo`: target server -> /dev/shm ring -> trainer), `epochs` whole
+    epochs (the learning-rate schedule runs to its end). Returns the config it wrote; the run's
+    checkpoints are in `<run_dir>/train` (every `checkpoint_every` steps; 0: only the final
+    one) and the final drafter in `<run_dir>/train/export`. Raises RuntimeError if the run fails.
     """
-    from common.batch import PackedBatch, document_positions
-    from common.config import DrafterConfig, TrainConfig, default_gamma
-    from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors
-    from drafter_trainer.loss import implied_acceptance_length
-    from drafter_trainer.model import DFlashConfig, DFlashDraftModel
-    from drafter_trainer.optim import trainer_adamw
-    from drafter_trainer.step import Ranks, StepSettings, train_step
-    from target_server.target import TargetRunner
+    from dfpipe.demo import run_demo
 
-    recipe = recipe or DrafterRecipe()
-    device = device or auto_device()
-    tokenizer = load_tokenizer(target_dir)
-    runner = TargetRunner.load(target_dir, device=str(device), dtype="fp32")
-    docs = encode_chats(tokenizer, samples)
-    batches = []
-    for row in pack_documents(docs, recipe.token_budget):
-        doc_lens = torch.tensor([len(docs[i][0]) for i in row], dtype=torch.int32)
-        input_ids = torch.tensor([t for i in row for t in docs[i][0]], dtype=torch.int32)
-        position_ids = document_positions(doc_lens).to(torch.int32)
-        hidden = runner.capture(input_ids, position_ids, doc_lens)
-        batches.append(PackedBatch(hidden=hidden, input_ids=input_ids.to(device),
-                                   loss_mask=torch.tensor([m for i in row for m in docs[i][1]], dtype=torch.uint8,
-                                                          device=device),
-                                   position_ids=position_ids.to(device), doc_lens=doc_lens.to(device),
-                                   sample_ids=torch.tensor(row, dtype=torch.int64, device=device), seq=len(batches)))
-    if not batches:
-        raise ValueError("no training documents for the drafter")
+    os.makedirs(run_dir, exist_ok=True)
+    config = os.path.join(run_dir, "services.yaml")
+    sockets = tempfile.mkdtemp(prefix="dfpipe-toy-")      # short: an ipc path has a length limit
+    with open(config, "w", encoding="utf-8") as f:
+        f.write(SERVICES_CONFIG.format(
+            ring=f"dfpipe-toy-{os.getpid()}", data=os.path.abspath(data_path), token_budget=recipe.token_budget,
+            seed=seed, target=os.path.abspath(target_dir), run=os.path.abspath(run_dir), layers=recipe.num_layers,
+            block=recipe.block_size, anchors=recipe.max_anchors, epochs=epochs, lr=recipe.lr,
+            warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
+            every=checkpoint_every or 1_000_000, sockets=sockets))
+    try:
+        rc = run_demo(config)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+    if rc != 0:
+        raise RuntimeError(f"training through the services failed (exit {rc}); logs in {run_dir}/train/logs")
+    return config
+
+
+def untrained_drafter(target_dir: str, recipe: DrafterRecipe, seed: int = 0) -> Any:
+    """A drafter for the toy target as training starts from: initialised, the target's head in place."""
+    from common.config import DrafterConfig
+    from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
         target_config = json.load(f)
     config = DFlashConfig.from_target(target_config, DrafterConfig(num_layers=recipe.num_layers,
                                                                    block_size=recipe.block_size),
-                                      runner.layer_ids, int(tokenizer.mask_token_id))
-    del runner
+                                      None, int(load_tokenizer(target_dir).mask_token_id))
     torch.manual_seed(seed)
-    model = DFlashDraftModel(config).to(device)
+    model = DFlashDraftModel(config)
     model.load_target_head(target_dir, dtype=torch.float32)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = trainer_adamw(params, TrainConfig(lr=recipe.lr, weight_decay=recipe.weight_decay, betas=[0.9, 0.95]),
-                              device, build_in_background=False)
-    settings = StepSettings(loss_chunk=recipe.loss_chunk, grad_clip=recipe.grad_clip)
-    ranks = Ranks(str(device))
-    gamma = default_gamma(recipe.block_size)
-    model.train()
-    for step in range(steps):
-        t = time.perf_counter()
-        epoch, index = divmod(step, len(batches))
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        batch = batches[int(order[index])]
-        gen = torch.Generator().manual_seed(anchor_seed(seed, epoch, batch.seq))
-        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), recipe.max_anchors, gen)
-        blocks = build_blocks(batch, anchors.to(device), recipe.block_size, config.mask_token_id, gamma)
-        out = train_step(model, optimizer, batch, blocks, lr_at(step, step / steps, recipe), settings, ranks).out
-        if on_step is not None and out is not None:
-            info = DrafterStep(step=step + 1, epoch=epoch, loss=float(out.loss.detach()),
-                               implied_tau=implied_acceptance_length(out.accuracy_per_pos),
-                               seconds=time.perf_counter() - t)
-            model.eval()
-            on_step(info, model)
-            model.train()
     return model.eval()

@@ -4,9 +4,9 @@ backward pass and optimizer update.
     blocks -> DFlash loss, forward + backward chunk by chunk (loss.dflash_loss) -> gradients summed
     over the ranks -> clip -> finite on every rank? -> AdamW at the step's learning rate
 
-The trainer's loop, the toy-target training (`dfpipe make-toy-target` and the tau checks) and the
-GPU benchmarks' drafter rig all call `train_step`, so what is measured and what is tested is the
-step users run.
+The trainer's loop and the benchmarks (bench/gpu/drafter_rig.py, bench/trainer_bench.py) call
+`train_step`, so what is measured and what is tested is the step users run (toy-target drafters
+are trained through the services, the trainer itself).
 
 Ranks. A rank without a batch this step passes `blocks=None`: it contributes zero loss and zero
 gradient to the collectives, so uneven epochs never deadlock. The loss is normalised by the weight

@@ -1,6 +1,9 @@
-"""A drafter trained on a (briefly) trained toy target accepts clearly more than an untrained one,
-and speculative decoding stays lossless — the CI-sized version of bench/toy_tau.py."""
+"""A drafter trained through both services on a (briefly) trained toy target accepts clearly more
+than an untrained one, and speculative decoding stays lossless: the CI-sized version of
+bench/toy_tau.py, through the path users run (target server -> ring -> trainer -> export)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -13,17 +16,21 @@ from target_server import toy_corpus
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_trained_drafter_beats_untrained_drafter_by_a_clear_margin_and_stays_lossless(tmp_path) -> None:
+def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_lossless(tmp_path) -> None:
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     target_dir = str(tmp_path / "toy-target")
     tt.make_toy_target(target_dir, minutes=5.0, seed=0, steps=120, device=cpu)
     train = tt.regenerate_answers(target_dir, [toy_corpus.sample(1, i) for i in range(96)],
                                   max_new_tokens=96, device=cpu)
-    recipe = tt.DrafterRecipe(num_layers=1, block_size=8, token_budget=2048, max_anchors=256,
-                              warmup_steps=5, lr=3e-3)
-    untrained = tt.train_toy_drafter(target_dir, train[:4], steps=0, recipe=recipe, device=cpu)
-    trained = tt.train_toy_drafter(target_dir, train, steps=60, recipe=recipe, device=cpu)
+    data = tmp_path / "train.jsonl"
+    toy_corpus.write_jsonl(train, str(data))
+    recipe = tt.DrafterRecipe(num_layers=1, block_size=8, token_budget=2048, lr=3e-3)
+    run = tmp_path / "run"
+    tt.train_drafter_through_services(target_dir, str(data), str(run), recipe, epochs=12)
+    trained = str(run / "train" / "export")
+    assert os.path.isfile(os.path.join(trained, "model.safetensors"))
+    export_drafter(tt.untrained_drafter(target_dir, recipe), str(tmp_path / "untrained"))
 
     prompts_file = tmp_path / "heldout.jsonl"
     toy_corpus.write_jsonl(tt.heldout_samples(7, 6), str(prompts_file))
@@ -33,9 +40,8 @@ def test_trained_drafter_beats_untrained_drafter_by_a_clear_margin_and_stays_los
     stop = ev.stop_token_ids(tokenizer)
     taus = {}
     refs: dict = {}
-    for name, model in (("untrained", untrained), ("trained", trained)):
-        export_drafter(model, str(tmp_path / name))
-        target, drafter = ev.load_models(target_dir, str(tmp_path / name), cpu)
+    for name, path in (("untrained", str(tmp_path / "untrained")), ("trained", trained)):
+        target, drafter = ev.load_models(target_dir, path, cpu)
         report = ev.evaluate(target, drafter, prompts, 48, stop, references=refs)
         assert report.lossless, report.mismatches
         taus[name] = report.tau
