@@ -1,6 +1,7 @@
 """dfpipe eval: speculative decoding with a DFlash drafter, its acceptance length, and a lossless check.
 
-One prompt (DESIGN.md section 5). Positions count tokens of the whole sequence (prompt + output):
+One prompt (docs/architecture.md, "Speculative decoding check"). Positions count tokens of the whole
+sequence (prompt + output):
 
     prefill   target(prompt[0..P-1])        -> first token x[P] (greedy), features of 0..P-1 = context
     step      anchor a = last verified token, at position p = len(context)
@@ -443,7 +444,7 @@ def check_pairing(drafter_dir: str, target_dir: str) -> list[str]:
     """
     from drafter_trainer.export import (CONFIG_FILE, DFPIPE_KEY, ExportError, check_target, read_target_config,
                                         target_fingerprint)
-    from drafter_trainer.model import DFlashConfig, DrafterConfigError
+    from drafter_trainer.model import DFlashConfig
 
     if not os.path.isdir(drafter_dir):
         raise EvalError(f"drafter folder not found: {drafter_dir}")
@@ -455,9 +456,10 @@ def check_pairing(drafter_dir: str, target_dir: str) -> list[str]:
         target_config = read_target_config(target_dir)
     except FileNotFoundError:
         raise EvalError(f"drafter {drafter_dir}: no {CONFIG_FILE} (not a dfpipe export)") from None
-    except (ValueError, AttributeError, DrafterConfigError) as e:   # ExportError is a ValueError
-        reason = str(e) if isinstance(e, ExportError) else f"unreadable drafter config ({e})"
-        raise EvalError(f"drafter {drafter_dir} does not fit target {target_dir}: {reason}") from None
+    except ExportError as e:
+        raise EvalError(f"drafter {drafter_dir}: {e}") from None
+    except (ValueError, AttributeError) as e:       # not JSON, not an object, fields missing (DrafterConfigError)
+        raise EvalError(f"drafter {drafter_dir}: unreadable {CONFIG_FILE} ({e})") from None
     recorded = exported.get(DFPIPE_KEY) if isinstance(exported.get(DFPIPE_KEY), dict) else {}
     fingerprint = recorded.get("target_config_sha256")
     if not fingerprint:

@@ -438,7 +438,8 @@ def regenerate_answers(target_dir: str, samples: list[toy_corpus.Sample], max_ne
 
 @dataclass
 class DrafterRecipe:
-    """Knobs of the in-process drafter training (DESIGN.md section 4 recipe, shortened for a CPU)."""
+    """Knobs of the in-process drafter training (the recipe of docs/architecture.md, "The DFlash drafter",
+    shortened for a CPU)."""
     num_layers: int = 2
     block_size: int = 16
     token_budget: int = 2048

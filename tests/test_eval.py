@@ -232,7 +232,7 @@ def test_cli_refuses_a_drafter_shaped_for_another_target(tmp_path: Any, target_d
     other = _config_only_target(tmp_path / "other", target_dir, **{key: value})
     assert ev.main(_cli_args(tmp_path, other, drafter_dir)) == ev.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "does not fit target" in err and f"{key} {value}" in err
+    assert "is not the target this drafter was trained for" in err and f"{key} {value}" in err
 
 
 def test_cli_refuses_a_drafter_reading_layers_the_target_lacks(tmp_path: Any, target_dir: str,
@@ -272,3 +272,12 @@ def test_cli_warns_when_the_export_does_not_say_which_target_it_was_trained_on(
     assert ev.main(_cli_args(tmp_path, target_dir, own, max_new_tokens=2)) == ev.EXIT_OK
     captured = capsys.readouterr()
     assert "WARNING" not in captured.err and json.loads(captured.out)["warnings"] == []
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"architectures": ["DFlashDraftModel"]}'])
+def test_cli_refuses_a_drafter_config_it_cannot_read(tmp_path: Any, target_dir: str, text: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(text)
+    assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "drafter"))) == ev.EXIT_USAGE
+    assert "unreadable config.json" in capsys.readouterr().err
