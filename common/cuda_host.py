@@ -1,7 +1,7 @@
 """Page-lock (cudaHostRegister) a shared-memory mapping so device<->host copies run at DMA speed.
 
 Without registration a copy between a GPU and the mapping goes through a pageable staging buffer
-(about 15 GB/s instead of 55 GB/s on an H200 host, see DESIGN.md). Both sides of a ring register
+at a fraction of the DMA rate, and cannot overlap with compute. Both sides of a ring register
 their own mapping. The driver limits one registration in practice, so a mapping is registered in
 chunks of at most 64 GiB; chunk borders fall on slot borders, so no copy into or out of one slot
 ever spans two registrations.

@@ -1,6 +1,7 @@
 """dfpipe eval: speculative decoding with a DFlash drafter, its acceptance length, and a lossless check.
 
-One prompt (DESIGN.md section 5). Positions count tokens of the whole sequence (prompt + output):
+One prompt (docs/architecture.md, "Speculative decoding check"). Positions count tokens of the whole
+sequence (prompt + output):
 
     prefill   target(prompt[0..P-1])        -> first token x[P] (greedy), features of 0..P-1 = context
     step      anchor a = last verified token, at position p = len(context)
@@ -315,6 +316,7 @@ class EvalReport:
     mismatches: list[Mismatch]
     speculative_seconds: float
     greedy_seconds: float
+    warnings: list[str] = field(default_factory=list)   # pairing doubts (check_pairing), also on stderr
 
 
 def summarize(accepted: list[int], block_size: int) -> tuple[float, list[float], list[int]]:
@@ -396,6 +398,7 @@ def render(report: EvalReport) -> str:
         f"time: speculative {report.speculative_seconds:.1f} s, plain greedy {report.greedy_seconds:.1f} s "
         "(both recompute the full sequence each forward)",
     ]
+    lines += [f"WARNING: {w}" for w in report.warnings]
     if report.lossless:
         lines.append("lossless: OK, every output equals plain greedy decoding token for token")
     else:
@@ -429,10 +432,52 @@ def with_block_size(drafter: Any, block_size: int) -> Any:
     return resized.to(drafter.fc.weight.device).eval()
 
 
+def check_pairing(drafter_dir: str, target_dir: str) -> list[str]:
+    """Refuse a drafter that does not fit the target; return warnings about whether it was trained on it.
+
+    Refused (EvalError): a target whose hidden size, vocabulary or layer count differ from the ones
+    in the drafter's config.json, or that lacks a layer the drafter reads (target_layer_ids). The
+    shapes can fit a target the drafter never saw (two models of one family), so the export's record
+    of its target (`dfpipe.target_config_sha256`, written by `dfpipe export`) is compared with this
+    target's config.json: a different one, or none recorded, is a warning, since tau then measures
+    nothing useful.
+    """
+    from drafter_trainer.export import (CONFIG_FILE, DFPIPE_KEY, ExportError, check_target, read_target_config,
+                                        target_fingerprint)
+    from drafter_trainer.model import DFlashConfig
+
+    if not os.path.isdir(drafter_dir):
+        raise EvalError(f"drafter folder not found: {drafter_dir}")
+    try:
+        with open(os.path.join(drafter_dir, CONFIG_FILE), encoding="utf-8") as f:
+            exported = json.load(f)
+        config = DFlashConfig.from_json_dict(exported)
+        check_target(config, target_dir)
+        target_config = read_target_config(target_dir)
+    except FileNotFoundError:
+        raise EvalError(f"drafter {drafter_dir}: no {CONFIG_FILE} (not a dfpipe export)") from None
+    except ExportError as e:
+        raise EvalError(f"drafter {drafter_dir}: {e}") from None
+    except (ValueError, AttributeError) as e:       # not JSON, not an object, fields missing (DrafterConfigError)
+        raise EvalError(f"drafter {drafter_dir}: unreadable {CONFIG_FILE} ({e})") from None
+    recorded = exported.get(DFPIPE_KEY) if isinstance(exported.get(DFPIPE_KEY), dict) else {}
+    fingerprint = recorded.get("target_config_sha256")
+    if not fingerprint:
+        return [f"the drafter {drafter_dir} records no target it was trained on; its shape fits {target_dir}, "
+                f"but tau means something only if that is its target (`dfpipe export --target FOLDER` "
+                f"records it)"]
+    if fingerprint != target_fingerprint(target_config):
+        return [f"the drafter {drafter_dir} was trained on another target ({recorded.get('target', 'unnamed')}, "
+                f"whose config.json differs from {target_dir}'s): its shape fits, but tau measures a "
+                f"drafter paired with a target it never saw"]
+    return []
+
+
 def load_models(target_dir: str, drafter_dir: str, device: torch.device, block_size: int = 0,
                 target_dtype: torch.dtype | None = None) -> tuple[TargetModel, Any]:
     """The drafter (with the target's embed_tokens/lm_head; block_size 0: as trained) and the target
-    capturing the drafter's target_layer_ids."""
+    capturing the drafter's target_layer_ids. Call check_pairing first for a clear refusal of a
+    drafter that does not fit the target."""
     from drafter_trainer.export import ExportError, load_drafter
 
     if not os.path.isdir(drafter_dir):
@@ -454,7 +499,8 @@ def load_models(target_dir: str, drafter_dir: str, device: torch.device, block_s
 
 def main(args: argparse.Namespace) -> int:
     """`dfpipe eval`: args.target, drafter, prompts, block_size (0: the drafter's), max_new_tokens, limit,
-    device, json. Exit 0 when lossless, 1 on any mismatch, 2 on unusable inputs."""
+    device, json. Exit 0 when lossless, 1 on any mismatch, 2 on unusable inputs (a drafter that does
+    not fit the target included)."""
     from .cli import _quiet_fla_on_cpu
 
     _quiet_fla_on_cpu()
@@ -463,6 +509,9 @@ def main(args: argparse.Namespace) -> int:
         if args.max_new_tokens < 1:
             raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         device = _device(args.device)
+        warnings = check_pairing(args.drafter, args.target)
+        for warning in warnings:
+            print(f"dfpipe eval: WARNING: {warning}", file=sys.stderr)
         target, drafter = load_models(args.target, args.drafter, device, args.block_size)
         from transformers import AutoTokenizer
         try:
@@ -477,6 +526,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     report = evaluate(target, drafter, prompts, args.max_new_tokens, stop_token_ids(tokenizer),
                       target_name=args.target, drafter_name=args.drafter)
+    report.warnings = warnings
     if args.json:
         print(json.dumps(asdict(report), indent=1))
     else:

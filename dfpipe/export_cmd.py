@@ -13,7 +13,8 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
 
     target_dir: the target model folder (default: the config's target). A folder that does not
     exist or whose hidden size, vocabulary or layer count differ from the drafter's is an error;
-    a built-in target (a test model built on demand) is not checked.
+    a built-in target (a test model built on demand) is not checked. A checked target's config
+    fingerprint is recorded in the export (`dfpipe eval` compares it with the target it is given).
     """
     path = checkpoint or latest_checkpoint(cfg.resolve(cfg.train.out_dir))
     if not path:
@@ -24,6 +25,7 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
     if result.unexpected_keys:
         raise SystemExit(f"dfpipe export: checkpoint {path} has unknown weights {result.unexpected_keys[:4]}")
     target = target_dir or cfg.resolve(cfg.target.model)
+    checked: str | None = None
     if target.startswith(BUILTIN_PREFIX):
         print(f"dfpipe export: target {target} is built in, not checked (pass --target FOLDER to check one)")
     else:
@@ -32,5 +34,6 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
         except ExportError as e:
             hint = "" if target_dir else " (the config's target; pass --target FOLDER for another)"
             raise SystemExit(f"dfpipe export: {e}{hint}") from None
-    export_drafter(model, out_dir)
+        checked = target
+    export_drafter(model, out_dir, target_dir=checked)    # records the checked target for `dfpipe eval`
     return out_dir

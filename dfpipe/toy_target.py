@@ -438,7 +438,8 @@ def regenerate_answers(target_dir: str, samples: list[toy_corpus.Sample], max_ne
 
 @dataclass
 class DrafterRecipe:
-    """The drafter's knobs for a run on the toy target (the DFlash recipe, shortened for a CPU)."""
+    """The drafter's knobs for a run on the toy target (the recipe of docs/architecture.md, "The DFlash
+    drafter", shortened for a CPU)."""
     num_layers: int = 2
     block_size: int = 16
     token_budget: int = 2048

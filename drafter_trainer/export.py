@@ -4,7 +4,8 @@
       config.json         architectures ["DFlashDraftModel"], model_type "qwen3", the shape fields,
                           layer_types, sliding_window, tie_word_embeddings false,
                           dflash_config {mask_token_id, target_layer_ids},
-                          auto_map {AutoModel: modeling_dflash.DFlashDraftModel}
+                          auto_map {AutoModel: modeling_dflash.DFlashDraftModel},
+                          dfpipe {target_config_sha256, target} when the target folder is known
       modeling_dflash.py  the drafter for `AutoModel.from_pretrained(out_dir, trust_remote_code=True)`
                           (a copy of drafter_trainer/modeling_dflash.py: torch and transformers only)
       model.safetensors   fc.weight, hidden_norm.weight, norm.weight,
@@ -18,15 +19,22 @@ their command line) and read the rest as a Qwen3 config; the published z-lab dra
 same `auto_map` with AutoModel only, so AutoConfig keeps returning a plain Qwen3Config and the
 serving engines never run the remote code.
 
+The `dfpipe` key is ours alone (no loader reads it): the fingerprint of the target's config.json
+(`target_fingerprint`) and the folder it was read from, so `dfpipe eval` can tell a drafter paired
+with its own target from one paired with another target of the same shape. It identifies the
+target's configuration, not its weights: two fine-tunes of one base model share it.
+
 The folder is written under a temporary name next to out_dir and renamed into place, so a
 reader sees the old export, no export, or the complete new one, never a half-written one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import uuid
+from typing import Any
 
 import torch
 
@@ -40,15 +48,45 @@ MODELING_FILE = "modeling_dflash.py"
 MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), MODELING_FILE)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
+DFPIPE_KEY = "dfpipe"
+# Written by whichever transformers saved the folder, not part of the model: left out of the fingerprint.
+WRITER_FIELDS = ("transformers_version", "_name_or_path")
 
 
 class ExportError(ValueError):
     """A drafter that cannot be exported, or an export folder that cannot be loaded."""
 
 
+def read_target_config(target_dir: str) -> dict[str, Any]:
+    """The target folder's config.json as a dict; ExportError when there is none or it is not a JSON object."""
+    path = os.path.join(target_dir, CONFIG_FILE)
+    if not os.path.isdir(target_dir):
+        raise ExportError(f"target {target_dir}: no such folder")
+    try:
+        with open(path, encoding="utf-8") as f:
+            target = json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"target {target_dir}: no {CONFIG_FILE} (not a Hugging Face model folder)") from None
+    except ValueError as e:
+        raise ExportError(f"target {path}: not JSON ({e})") from None
+    if not isinstance(target, dict):
+        raise ExportError(f"target {path}: not a JSON object")
+    return target
 
-def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write model's trainable weights (cast to dtype) and config to out_dir, atomically."""
+
+def target_fingerprint(target_config: dict[str, Any]) -> str:
+    """sha256 of a target's config.json content (key order and the writer's version fields ignored)."""
+    content = {k: v for k, v in target_config.items() if k not in WRITER_FIELDS}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16,
+                   target_dir: str | None = None) -> None:
+    """Write model's trainable weights (cast to dtype) and config to out_dir, atomically.
+
+    target_dir: the target folder the drafter was trained on; its config fingerprint and path are
+    recorded under the config's `dfpipe` key (None: nothing recorded, `dfpipe eval` then warns).
+    """
     from safetensors.torch import save_file
 
     cfg = model.config
@@ -59,6 +97,9 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     config = cfg.to_json_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["auto_map"] = dict(AUTO_MAP)
+    if target_dir is not None:
+        config[DFPIPE_KEY] = {"target_config_sha256": target_fingerprint(read_target_config(target_dir)),
+                              "target": os.path.abspath(target_dir)}
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -92,24 +133,19 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
 
 def check_target(config: DFlashConfig, target_dir: str) -> None:
     """Refuse a target folder this drafter was not shaped for: its width, vocabulary and layer count
-    must be the ones the drafter reads (fc input, mask / anchor token ids, target_layer_ids)."""
-    path = os.path.join(target_dir, CONFIG_FILE)
-    if not os.path.isdir(target_dir):
-        raise ExportError(f"target {target_dir}: no such folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            target = json.load(f)
-    except FileNotFoundError:
-        raise ExportError(f"target {target_dir}: no {CONFIG_FILE} (not a Hugging Face model folder)") from None
-    except ValueError as e:
-        raise ExportError(f"target {path}: not JSON ({e})") from None
-    if not isinstance(target, dict):
-        raise ExportError(f"target {path}: not a JSON object")
+    must be the ones the drafter reads (fc input, mask / anchor token ids, target_layer_ids).
+    A drafter config without the target's layer count (num_target_layers 0) is checked on its
+    target_layer_ids alone: each must be a layer of the target."""
+    target = read_target_config(target_dir)
     text = text_config(target)
-    wanted = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-              "num_hidden_layers": config.num_target_layers}
-    found = {key: text.get(key, target.get(key)) for key in wanted}
+    wanted = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+    if config.num_target_layers:
+        wanted["num_hidden_layers"] = config.num_target_layers
+    found = {key: text.get(key, target.get(key)) for key in [*wanted, "num_hidden_layers"]}
     wrong = [f"{key} {found[key]} (the drafter's: {value})" for key, value in wanted.items() if found[key] != value]
+    layers = found["num_hidden_layers"]
+    if not wrong and not (isinstance(layers, int) and max(config.target_layer_ids) < layers):
+        wrong.append(f"num_hidden_layers {layers}, but the drafter reads layers {config.target_layer_ids}")
     if wrong:
         raise ExportError(f"target {target_dir} is not the target this drafter was trained for: " + ", ".join(wrong))
 

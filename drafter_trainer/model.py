@@ -147,7 +147,7 @@ class DFlashConfig:
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """config.json as the serving engines read it (DESIGN.md section 4)."""
+        """config.json as the serving engines read it (docs/architecture.md, "The DFlash drafter")."""
         d = asdict(self)
         dflash = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
         return {

@@ -118,7 +118,8 @@ def test_build_blocks_rejects_impossible_blocks(anchors, kwargs, match):
 
 
 def _design_rule(doc: list[int], anchors: list[int], b: int, window: int | None) -> torch.Tensor:
-    """DESIGN.md section 4 in packed-index terms, one (query, key) pair at a time."""
+    """The mask rule of docs/architecture.md ("The DFlash drafter") in packed-index terms, one (query,
+    key) pair at a time."""
     t, n = len(doc), len(anchors)
     mask = torch.zeros(n * b, t + n * b, dtype=torch.bool)
     for blk, a in enumerate(anchors):

@@ -1,4 +1,5 @@
-"""One test per bug that shipped in public DFlash trainers and silently collapsed acceptance (DESIGN.md 4).
+"""One test per bug that shipped in public DFlash trainers and silently collapsed acceptance
+(the semantics in docs/architecture.md, "The DFlash drafter").
 
 Every perturbation test also perturbs something that *must* matter, so it cannot pass by the
 model ignoring its input altogether.

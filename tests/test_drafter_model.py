@@ -2,7 +2,8 @@
 
 The central check is `test_batched_forward_equals_a_brute_force_reference`: an independent,
 deliberately naive implementation (one block at a time, explicit loops over queries, float64)
-written from DESIGN.md section 4, compared with every attention path of the batched model.
+written from docs/architecture.md ("The DFlash drafter"), compared with every attention path of the
+batched model.
 Helpers here (tiny_config, make_model, make_batch) are shared by the other drafter test files.
 """
 from __future__ import annotations
@@ -257,7 +258,8 @@ def test_split_fc_equals_concat_fc_in_value_and_gradient():
 
 # ---- the brute-force reference ---------------------------------------------------------------
 def reference_forward(model: DFlashDraftModel, batch: PackedBatch, anchors: list[int]) -> torch.Tensor:
-    """DESIGN.md section 4 read literally: one block at a time, one query at a time, float64."""
+    """docs/architecture.md, "The DFlash drafter", read literally: one block at a time, one query at a
+    time, float64."""
     cfg = model.config
     w = {name: p.detach().double() for name, p in model.named_parameters()}
     heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

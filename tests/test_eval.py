@@ -209,3 +209,75 @@ def test_cli_exports_load_and_exit_codes_follow_the_lossless_check(tmp_path: Any
 
     assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "missing"))) == ev.EXIT_USAGE
     assert "drafter folder not found" in capsys.readouterr().err
+
+
+def _config_only_target(path: Any, target_dir: str, **changes: Any) -> str:
+    """A folder holding target_dir's config.json with `changes` applied (a key set to None is removed):
+    what check_pairing reads, so a refusal must come before any weight is loaded."""
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", 128), ("vocab_size", 1024), ("num_hidden_layers", 6)])
+def test_cli_refuses_a_drafter_shaped_for_another_target(tmp_path: Any, target_dir: str, key: str, value: int,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    drafter_dir = str(tmp_path / "drafter")
+    export_drafter(make_drafter(target_dir), drafter_dir, target_dir=target_dir)
+    other = _config_only_target(tmp_path / "other", target_dir, **{key: value})
+    assert ev.main(_cli_args(tmp_path, other, drafter_dir)) == ev.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is not the target this drafter was trained for" in err and f"{key} {value}" in err
+
+
+def test_cli_refuses_a_drafter_reading_layers_the_target_lacks(tmp_path: Any, target_dir: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A config without num_target_layers (a hand-written or foreign export) is checked on its layer ids."""
+    drafter_dir = tmp_path / "drafter"
+    export_drafter(make_drafter(target_dir), str(drafter_dir), target_dir=target_dir)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    del config["num_target_layers"]
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    shallow = _config_only_target(tmp_path / "shallow", target_dir, num_hidden_layers=max(LAYER_IDS),
+                                  layer_types=None)
+    assert ev.main(_cli_args(tmp_path, shallow, str(drafter_dir))) == ev.EXIT_USAGE
+    assert f"reads layers {LAYER_IDS}" in capsys.readouterr().err
+    assert ev.check_pairing(str(drafter_dir), target_dir) == []       # its own target still fits
+
+
+def test_cli_warns_when_the_export_does_not_say_which_target_it_was_trained_on(
+        tmp_path: Any, target_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    unknown, own, foreign = (str(tmp_path / name) for name in ("unknown", "own", "foreign"))
+    export_drafter(make_drafter(target_dir), unknown)
+    export_drafter(make_drafter(target_dir), own, target_dir=target_dir)
+    # same shape, another model: the export records a target whose config.json differs
+    sibling = _config_only_target(tmp_path / "sibling", target_dir, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 10_000.0})
+    export_drafter(make_drafter(target_dir), foreign, target_dir=sibling)
+
+    assert ev.main(_cli_args(tmp_path, target_dir, unknown, max_new_tokens=2)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    assert "WARNING" in captured.err and "records no target" in captured.err
+    assert len(json.loads(captured.out)["warnings"]) == 1
+
+    assert ev.main(_cli_args(tmp_path, target_dir, foreign, max_new_tokens=2)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    assert "trained on another target" in captured.err and sibling in captured.err
+
+    assert ev.main(_cli_args(tmp_path, target_dir, own, max_new_tokens=2)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    assert "WARNING" not in captured.err and json.loads(captured.out)["warnings"] == []
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"architectures": ["DFlashDraftModel"]}'])
+def test_cli_refuses_a_drafter_config_it_cannot_read(tmp_path: Any, target_dir: str, text: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(text)
+    assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "drafter"))) == ev.EXIT_USAGE
+    assert "unreadable config.json" in capsys.readouterr().err

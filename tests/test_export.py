@@ -143,3 +143,21 @@ def test_load_refuses_weights_that_disagree_with_the_config(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="do not match"):
         load_drafter(str(out), None)
+
+
+def test_export_records_its_targets_config_fingerprint_only_when_told_the_target(tmp_path):
+    from drafter_trainer.export import target_fingerprint
+
+    target = tmp_path / "target"
+    target.mkdir()
+    target_config = {"hidden_size": 64, "vocab_size": 97, "num_hidden_layers": 8, "transformers_version": "5.0"}
+    (target / "config.json").write_text(json.dumps(target_config))
+    export_drafter(make_model(tiny_config()), str(tmp_path / "with"), target_dir=str(target))
+    export_drafter(make_model(tiny_config()), str(tmp_path / "without"))
+    recorded = json.loads((tmp_path / "with" / "config.json").read_text())["dfpipe"]
+    assert recorded == {"target_config_sha256": target_fingerprint(target_config), "target": str(target)}
+    assert "dfpipe" not in json.loads((tmp_path / "without" / "config.json").read_text())
+    # the writer's version and key order are not the model; any model field is
+    resaved = dict(reversed(list({**target_config, "transformers_version": "5.9"}.items())))
+    assert target_fingerprint(resaved) == target_fingerprint(target_config)
+    assert target_fingerprint({**target_config, "rms_norm_eps": 1e-5}) != target_fingerprint(target_config)

@@ -42,6 +42,9 @@ def test_export_with_its_target_writes_the_folder(run_dir, tmp_path, capsys):
     assert _export(run_dir, tmp_path / "out", "--target", target) == 0
     assert "exported drafter to" in capsys.readouterr().out
     assert set(load_file(str(tmp_path / "out" / "model.safetensors"))) >= {"fc.weight", "norm.weight"}
+    # the checked target is recorded, so `dfpipe eval` can tell it from another target of the same shape
+    with open(tmp_path / "out" / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["dfpipe"]["target"] == os.path.abspath(target)
 
 
 def test_a_multimodal_targets_text_config_is_what_is_checked(run_dir, tmp_path):

@@ -57,6 +57,32 @@ def test_layer_id_l_is_the_output_of_decoder_layer_l(arch: str, tiny_dirs: dict[
     assert_close(runner.capture_unpacked(ids), captured, n=target_terms(runner, ids.numel()))
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_other_decoders_of_the_same_layout_capture_like_transformers(model_type: str, tmp_path) -> None:
+    """Any decoder whose layers are self_attn + mlp between two norms loads (README, "Your model"):
+    two packed documents capture what one transformers forward per document gives."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  sliding_window=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path))
+    runner = TargetRunner.load(str(tmp_path), layer_ids=[1, 3])
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="sdpa").eval()
+    docs = [_tokens(9, seed=3), _tokens(6, seed=4)]
+    lens = torch.tensor([len(d) for d in docs], dtype=torch.int32)
+    captured = runner.capture(torch.cat(docs), document_positions(lens), lens)
+    start = 0
+    for doc in docs:
+        with torch.no_grad():
+            hs = ref(input_ids=doc[None], use_cache=False, output_hidden_states=True).hidden_states
+        for plane, layer in enumerate(runner.layer_ids):
+            assert_close(captured[plane, start:start + len(doc)], hs[layer + 1][0],
+                         n=target_terms(runner, len(doc)))
+        start += len(doc)
+
+
 def test_forward_stops_after_the_deepest_captured_layer(tiny_dirs: dict[str, str]) -> None:
     runner = TargetRunner.load(tiny_dirs["qwen3.5"], layer_ids=[0, 2])
     model = runner.model
