@@ -249,6 +249,7 @@ class Trainer:
         self.acc_per_pos: list[float] = []
         self.tokens = 0
         self.anchors = 0                            # blocks supervised by this process's steps
+        self.target_dir = ""                        # the target server's model folder (WELCOME)
         self.t_start = time.time()
         self.epoch_samples = 0
         self.total_batches = 1
@@ -394,6 +395,7 @@ class Trainer:
             raise StoppedWaiting(self.flags.reason or "stop requested")
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
+        self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
         if built is None or not same_target(guess, welcome.target):
             if built is not None:
                 log.info("the target server runs %s layers %s, not the configured %s layers %s: rebuilding the "
@@ -657,7 +659,7 @@ class Trainer:
             return EXIT_CHECKPOINT_FAILED
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
-            export_drafter(self.model, export_dir)
+            export_drafter(self.model, export_dir, target_dir=self.target_dir or None)
             log.info("exported drafter to %s", export_dir)
         log.info("trainer stopping (%s) at step %d", reason, self.step)
         return EXIT_OK
