@@ -226,15 +226,8 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
-    chunks = blocks.chunks(per_chunk)
-    # Only rows that carry loss meet the lm_head. Their indices for the whole batch in one host
-    # read: a nonzero() per chunk would wait for the device before every chunk, and the host could
-    # no longer prepare the next chunk's masks while the device runs the last one.
-    loss_rows = (blocks.weights.reshape(-1) > 0).nonzero().squeeze(1)
-    rows_before = torch.searchsorted(loss_rows, torch.arange(0, blocks.num_blocks + 1, per_chunk,
-                                                             device=loss_rows.device) * b).tolist()
-    rows_before.append(loss_rows.numel())
-    for i, (part, first, end) in enumerate(chunks):
+    chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
+    for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
         n = part.num_blocks
         noise_embedding = model.embed(part.block_input_ids.reshape(n * b)).to(dtype)
         # in the context side's own dtype (bf16 under autocast): the layers see what they see
@@ -242,7 +235,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
         kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype)) for (k, v), (ck, cv) in zip(feed, context_kv)]
         hidden = model.decode_blocks(noise_embedding, kv, part)
         weights = part.weights.reshape(-1)
-        rows = loss_rows[rows_before[i]:rows_before[i + 1]] - i * per_chunk * b
+        rows = chunk_rows[i]
         # With no rows at all the (empty) selection still links every parameter into the graph, so
         # backward gives them zero gradients and DDP's reduction stays in step across ranks.
         part_ce, correct = _ChunkedLinearCrossEntropy.apply(
@@ -269,6 +262,18 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
         count_per_pos=count_per_pos,
         num_anchors=int(blocks.valid.sum()),
     )
+
+
+def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor]:
+    """Per chunk, the indices of its block rows that carry loss (weight > 0), in the chunk's own
+    numbering: only those rows meet the lm_head. Found for the whole batch with one host read: a
+    nonzero() per chunk would wait for the device before every chunk, and the host could no longer
+    prepare the next chunk's masks while the device runs the last one."""
+    b = blocks.block_size
+    rows = (blocks.weights.reshape(-1) > 0).nonzero().squeeze(1)
+    starts = torch.arange(0, blocks.num_blocks, per_chunk, device=rows.device)
+    bounds = [*torch.searchsorted(rows, starts * b).tolist(), rows.numel()]
+    return [rows[bounds[i]:bounds[i + 1]] - i * per_chunk * b for i in range(len(starts))]
 
 
 def implied_acceptance_length(acc_per_pos: torch.Tensor) -> float:
