@@ -51,7 +51,7 @@ from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_check
                          save_checkpoint, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
-from .export import export_drafter
+from .export import ExportError, export_drafter
 from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .model import DFlashConfig, DFlashDraftModel
@@ -659,7 +659,11 @@ class Trainer:
             return EXIT_CHECKPOINT_FAILED
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
-            export_drafter(self.model, export_dir, target_dir=self.target_dir or None)
+            try:
+                export_drafter(self.model, export_dir, target_dir=self.target_dir or None)
+            except ExportError as e:   # the target's folder unreadable now: the weights still go out
+                log.warning("the export records no target (%s); `dfpipe export --target` adds it", e)
+                export_drafter(self.model, export_dir)
             log.info("exported drafter to %s", export_dir)
         log.info("trainer stopping (%s) at step %d", reason, self.step)
         return EXIT_OK
