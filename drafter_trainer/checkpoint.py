@@ -199,6 +199,8 @@ def inspect(path: str) -> dict[str, Any]:
     meta = read_meta(path)
     have = SeqSet.from_wire(meta["have"])
     out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
-                                "epochs", "config_hash", "skipped_steps", "time", "plan") if k in meta}
-    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"]})
+                                "epochs", "config_hash", "skipped_steps", "time") if k in meta}
+    # the data plan its batches are of (None: written before plans were fingerprinted)
+    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"],
+                "plan": meta.get("plan")})
     return out
