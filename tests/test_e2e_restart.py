@@ -4,6 +4,7 @@ exactly once and the target is never reloaded by a trainer restart."""
 from __future__ import annotations
 
 import glob
+import json
 import random
 import signal
 import time
@@ -257,8 +258,18 @@ def test_a_changed_data_plan_is_refused_naming_it_and_new_plan_starts_a_new_acco
         old_plan = ctl(ep_target, "status")["plan"]
         assert ctl(ep_trainer, "shutdown") == {"accepted": "shutdown"}
         assert tr.wait(60) == 0, tr.log()
+        assert inspect_run(config)["plan"] == old_plan
+        # a checkpoint from before plans were fingerprinted: resumed with a warning, records it from then on
+        meta_path = Path(inspect_run(config)["path"]) / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["plan"]
+        meta_path.write_text(json.dumps(meta))
+        old = Service("trainer", config, tmp_path, overrides=[f"train.max_steps={meta['step'] + 2}"])
+        services.append(old)
+        assert old.wait(300) == 0, old.log()
+        assert "records no data plan" in old.log(tail=10_000)
         stopped = inspect_run(config)
-        assert stopped["plan"] == old_plan and stopped["batches"] > 0
+        assert stopped["plan"] == old_plan and stopped["step"] == meta["step"] + 2
         target.stop()
         assert target.proc.returncode == 0, target.log()
 
