@@ -43,7 +43,7 @@ from common.channel import CurveKeys
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
-from common.protocol import new_session_secret
+from common.protocol import ProtocolError, check_plan, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
@@ -308,7 +308,12 @@ class Trainer:
         self.resumed_batches = len(self.trained)
         self.trained_samples = {int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
         self.last_checkpoint = path
-        self.resumed_plan = meta.get("plan") or {}
+        if meta.get("plan"):
+            try:
+                self.resumed_plan = check_plan(meta["plan"], "meta.json plan")
+            except ProtocolError as e:
+                raise ValueError(f"{path}: {e}; the checkpoint's data plan is unreadable (restore its meta.json, "
+                                 "or remove its 'plan' to resume it unchecked)") from None
         if meta.get("config_hash") != self.cfg.hash("drafter"):
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
                         path, meta.get("config_hash"))
