@@ -107,6 +107,7 @@ class TrainConfig:
     max_steps: int = 0                  # 0: until the epochs end
     tensorboard: bool = True
     wandb_project: str = ""
+    new_plan: bool = False              # resume the weights under a changed data plan, accounting anew
 
 
 @dataclass

@@ -12,8 +12,8 @@ receiver logs, counts (by `ProtocolError.code`) and drops.
 
 Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one-shot client):
 
-    R -> S   hello      rid, job, secret, rank, world, pid, start_time, have, epochs, credit, heldout
-    S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches
+    R -> S   hello      rid, job, secret, rank, world, pid, start_time, have, epochs, credit, heldout, plan
+    S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches, plan{}
     S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch, heldout
     R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq
     S -> R   epoch_end  consumer_epoch, epoch
@@ -40,6 +40,13 @@ seq; the rank acks it like any other slot.
 Checks that need the receiver's state (is this worker known, is this slot inside that worker's
 ring, does this seq belong to that epoch) are the functions at the end of this module; the
 receiver calls them with its context and treats a ProtocolError exactly like a decode failure.
+
+The data plan: `have` means something only under the plan it was trained from (which documents
+batch seq s holds). The server sends its plan in WELCOME (components named by the setting they
+come from, plus `id`, the fingerprint of them all: `plan_id`); the trainer stores it in every
+checkpoint and sends the checkpoint's plan id in HELLO ("" = no checkpoint, or one from before
+plans were fingerprinted). A HELLO naming another plan is refused without touching any session,
+and the refusal's `result["plan"]` carries the server's plan, so the trainer can say what changed.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ import dataclasses
 import hashlib
 import hmac
 import itertools
+import json
 import math
 import os
 import reprlib
@@ -59,8 +67,9 @@ import msgpack
 
 from common.seqset import SeqSet
 
-PROTOCOL_VERSION = 3             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
+PROTOCOL_VERSION = 4             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
                                  # 3: hello/ack/commit.secret
+                                 # 4: hello.plan, welcome.plan
 MAX_MESSAGE_BYTES = 1 << 20      # default frame limit (ServiceConfig.max_message_bytes)
 INT64_MAX = (1 << 63) - 1
 
@@ -83,6 +92,8 @@ MAX_EPOCHS = 1 << 12
 MAX_HELDOUT = 1 << 12            # held-out batches per session
 MAX_TARGET_ENTRIES = 64
 MAX_TARGET_LIST = 4096
+MAX_PLAN_ENTRIES = 32
+PLAN_ID_LEN = 16                 # hex digits of a plan fingerprint (64 bits)
 MAX_ARGS = 32
 MAX_ARG_STR = 1024
 MAX_RESULT_DEPTH = 16
@@ -264,6 +275,29 @@ def same_secret(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+class PlanIdCodec(Codec[str]):
+    """A plan fingerprint (`plan_id`): PLAN_ID_LEN lowercase hex digits, or "" when `allow_empty`."""
+
+    def __init__(self, allow_empty: bool) -> None:
+        self.allow_empty = allow_empty
+
+    def check(self, value: Any, where: str) -> None:
+        if type(value) is not str:
+            raise _field_error(where, "expected str", value)
+        if value == "" and self.allow_empty:
+            return
+        if len(value) != PLAN_ID_LEN or not set(value) <= _HEX_DIGITS:
+            raise _field_error(where, f"expected {PLAN_ID_LEN} lowercase hex digits"
+                               + (" or \"\"" if self.allow_empty else ""), value)
+
+
+def plan_id(components: Mapping[str, Any]) -> str:
+    """The fingerprint of a data plan: a hash of its components (every entry but `id`), the same
+    in every process and on every host (canonical JSON, sorted keys)."""
+    body = {k: v for k, v in components.items() if k != "id"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:PLAN_ID_LEN]
+
+
 class FlatDictCodec(Codec[dict]):
     """{str: scalar | list[int]} with bounded keys, entries, strings and lists.
 
@@ -297,6 +331,28 @@ class FlatDictCodec(Codec[dict]):
             if codec is None:
                 raise _field_error(f"{where}.{key}", f"value must be one of {'|'.join(self.kinds)}", v)
             codec.check(v, f"{where}.{key}")
+
+
+class PlanCodec(FlatDictCodec):
+    """A data plan: {setting: str | int} with at least one component and an `id` that is the
+    `plan_id` of the rest (a plan whose fingerprint does not match its parts is refused)."""
+
+    def __init__(self) -> None:
+        super().__init__(("int", "str"), MAX_PLAN_ENTRIES, MAX_PATH_LEN)
+
+    def check(self, value: Any, where: str) -> None:
+        super().check(value, where)
+        if len(value) < 2 or "id" not in value:
+            raise _field_error(where, "needs an 'id' and at least one component", sorted(value))
+        PlanIdCodec(allow_empty=False).check(value["id"], f"{where}.id")
+        if value["id"] != plan_id(value):
+            raise _field_error(f"{where}.id", "is not the fingerprint of the plan's components", value["id"])
+
+
+def check_plan(value: Any, where: str = "plan") -> dict[str, str | int]:
+    """`value` as a valid data plan (e.g. from a refusal's JSON result), or ProtocolError."""
+    PlanCodec().check(value, where)
+    return dict(value)
 
 
 class JsonCodec(Codec[dict]):
@@ -376,10 +432,11 @@ class StructCodec(Codec[Any]):
 
 # ---- messages -------------------------------------------------------------------------------------
 
-def wire(codec: Codec[Any]) -> Any:
+def wire(codec: Codec[Any], default: Any = dataclasses.MISSING) -> Any:
     """Declare a message field together with the codec that validates it (a secret is left out of
-    the message's repr, so logging a message never logs it)."""
-    return dataclasses.field(metadata={"codec": codec}, repr=not isinstance(codec, SecretCodec))
+    the message's repr, so logging a message never logs it). `default` only spares the sender the
+    argument: on the wire every field is always present."""
+    return dataclasses.field(metadata={"codec": codec}, repr=not isinstance(codec, SecretCodec), default=default)
 
 
 class _Struct:
@@ -509,6 +566,7 @@ class Hello(Message):
     epochs: int = wire(IntCodec(1, MAX_EPOCHS))
     credit: int = wire(IntCodec(1, MAX_CREDIT))
     heldout: bool = wire(BoolCodec())
+    plan: str = wire(PlanIdCodec(allow_empty=True), default="")
 
     def _check_fields(self) -> None:
         if self.rank >= self.world:
@@ -532,6 +590,7 @@ class Welcome(Message):
     epoch_sizes: list[int] = wire(ListCodec(UINT, MAX_EPOCHS))
     ready: list[int] = wire(ListCodec(SEQ, MAX_READY))
     heldout_batches: int = wire(IntCodec(0, MAX_HELDOUT))
+    plan: dict[str, str | int] = wire(PlanCodec())
 
     def _check_fields(self) -> None:
         workers = [r.worker for r in self.rings]

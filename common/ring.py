@@ -470,15 +470,39 @@ class ProducerRing(_RingMap):
         self.heartbeat()
         w.store(_C.MAGIC, MAGIC)  # last: a half-initialised file never looks like a ring
 
+    @staticmethod
+    def take_role(shm_dir: str, name: str, worker: int) -> RoleLock:
+        """The producer role for (name, worker), held, or LockHeld naming the live producer that has
+        it. A producer that needs seconds or minutes before it knows its slot size (a target model
+        to load) takes it first and hands it to `create`, so a second one is refused at once."""
+        if not os.path.isdir(shm_dir):
+            raise RingError(f"shared-memory directory {shm_dir} does not exist (is /dev/shm mounted?)")
+        lock = RoleLock(shm_dir, f"{name}.w{worker}", "producer")
+        lock.acquire()
+        return lock
+
     @classmethod
     def create(cls, shm_dir: str, name: str, worker: int, slot_count: int, slot_size: int,
-               cuda_register: str = "auto") -> "ProducerRing":
-        """Take the producer role for (name, worker), remove its dead predecessor's file, create a new one.
+               cuda_register: str = "auto", role: RoleLock | None = None) -> "ProducerRing":
+        """Take the producer role for (name, worker) (or use `role`, from `take_role`), remove its
+        dead predecessor's file, create a new one. The ring owns the role from here on: `close`
+        gives it up, and so does a failed creation, which leaves nothing behind (no ring file, no
+        lock file).
 
         slot_size is rounded up to a multiple of 2 MiB (the `slot_size` attribute is the result).
         Raises LockHeld if a live producer has the role, RingSpaceError if the directory is too
         small, RingError for anything else that is wrong.
         """
+        try:
+            return cls._create(shm_dir, name, worker, slot_count, slot_size, cuda_register, role)
+        except BaseException:
+            if role is not None:
+                role.release(unlink=True)
+            raise
+
+    @classmethod
+    def _create(cls, shm_dir: str, name: str, worker: int, slot_count: int, slot_size: int,
+                cuda_register: str, role: RoleLock | None) -> "ProducerRing":
         _require_tso()
         if not isinstance(name, str) or not name or "/" in name:
             raise RingError(f"ring name {name!r}: need a non-empty string without '/'")
@@ -495,8 +519,10 @@ class ProducerRing(_RingMap):
         slot_size = _round_up(slot_size, SLOT_ALIGN)
         data_offset, file_size = _layout(slot_count, slot_size)
 
-        lock = RoleLock(shm_dir, f"{name}.w{worker}", "producer")
-        lock.acquire()
+        if role is not None and (not role.held
+                                 or role.path != RoleLock(shm_dir, f"{name}.w{worker}", "producer").path):
+            raise RingError(f"the producer role handed to create is not held, or is not ({shm_dir}, {name}, {worker})")
+        lock = role if role is not None else ProducerRing.take_role(shm_dir, name, worker)
         path, mm = "", None
         try:
             newest = _remove_stale_rings(shm_dir, name, worker)
@@ -515,7 +541,7 @@ class ProducerRing(_RingMap):
             if mm is not None:
                 _close_quietly(mm)
                 _unlink_quietly(path)
-            lock.release()
+            lock.release(unlink=True)   # a failed start leaves no lock file behind either
             raise
         log.info("created ring %s: %d slots x %d bytes (%d bytes in all)", path, slot_count, slot_size, file_size)
         return ring

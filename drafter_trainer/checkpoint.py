@@ -2,7 +2,8 @@
 
     <out_dir>/checkpoints/step-00000120/       a complete checkpoint (only ever appears by rename)
         state.pt     weights (trainable only), optimizer, schedule, RNG, step
-        meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash
+        meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash,
+                     plan (the target server's data plan `have` counts batches of: its components and id)
     <out_dir>/checkpoints/.tmp-step-00000120-<pid>/   being written; ignored and swept on start
     <out_dir>/trainer.lock                      held (flock) by the one trainer using out_dir
 
@@ -185,6 +186,13 @@ def read_meta(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two data plans, one "setting: old -> new" per changed component."""
+    keys = [k for k in sorted(set(old) | set(new)) if k != "id"]
+    changed = [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in keys if old.get(k) != new.get(k)]
+    return changed or [f"plan id: {old.get('id')} -> {new.get('id')}"]
+
+
 def inspect(path: str) -> dict[str, Any]:
     """What `dfpipe inspect` prints: the meta, the accounting of the current epoch and (from
     checkpoints that carry it) of every epoch before it."""
@@ -192,5 +200,7 @@ def inspect(path: str) -> dict[str, Any]:
     have = SeqSet.from_wire(meta["have"])
     out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
                                 "epochs", "config_hash", "skipped_steps", "time") if k in meta}
-    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"]})
+    # the data plan its batches are of (None: written before plans were fingerprinted)
+    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"],
+                "plan": meta.get("plan")})
     return out

@@ -37,8 +37,8 @@ from common.batch import BatchError, PackedBatch, check_batch
 from common.channel import CurveKeys, DealerChannel
 from common.config import Config
 from common.liveness import process_start_time
-from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, Reply, Welcome,
-                             next_rid)
+from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError, Reply,
+                             Welcome, check_plan, next_rid)
 from common.ring import ConsumerRing, RingError, StaleSlot
 from common.seqset import SeqSet
 
@@ -58,9 +58,13 @@ class RingFeed:
 
     def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
                  epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None, *,
-                 secret: str) -> None:
+                 secret: str, plan: str = "") -> None:
         """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0);
-        secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged)."""
+        secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged);
+        plan: the id of the data plan `have` was trained from ("": none known)."""
+        self.plan = plan
+        # the server's plan when it refused ours (state "plan_changed"): see restart_accounting
+        self.refused_for_plan: dict[str, str | int] | None = None
         self.cfg = cfg
         self.rank, self.world, self.job = rank, world, job
         self._secret = secret
@@ -136,6 +140,16 @@ class RingFeed:
         with self._lock:
             return [self._heldout[i] for i in sorted(self._heldout)]
 
+    def restart_accounting(self) -> None:
+        """After a plan refusal: say HELLO again holding nothing, under no plan (the trainer chose to
+        start a new accounting; its weights stay what they are)."""
+        with self._lock:
+            self._base_have, self._acked = SeqSet(), SeqSet()
+        self.plan = ""
+        self.refused_for_plan = None
+        self.welcomed.clear()
+        self.state = "connecting"   # last: the I/O thread re-HELLOs once it sees this
+
     def commit(self, have: SeqSet, step: int) -> None:
         """Tell the server what the checkpoint just written holds (status; HELLO carries the truth)."""
         self._commits.put((have.copy(), step))
@@ -192,7 +206,7 @@ class RingFeed:
         chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
                         pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
-                        epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout))
+                        epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout, plan=self.plan))
 
     def _on_message(self, chan: DealerChannel, msg) -> None:
         if isinstance(msg, Welcome):
@@ -225,8 +239,21 @@ class RingFeed:
             if not msg.ok:
                 self.error = msg.error
                 log.warning("rank %d: target server refused: %s", self.rank, msg.error)
+                if "plan" in msg.result and self.plan:
+                    self._on_plan_refused(msg.result["plan"])
         else:
             log.warning("rank %d: unexpected %s from the target server", self.rank, type(msg).__name__)
+
+    def _on_plan_refused(self, plan: object) -> None:
+        """The server serves another data plan than our `have` was trained from: stop saying HELLO
+        and let the training thread decide (refuse to run, or `restart_accounting`)."""
+        try:
+            self.refused_for_plan = check_plan(plan, "reply.result.plan")
+        except ProtocolError as e:
+            log.warning("rank %d: the refusal's plan is malformed (%s); still waiting", self.rank, e)
+            return
+        self.state = "plan_changed"
+        self.welcomed.set()
 
     def _on_welcome(self, msg: Welcome) -> None:
         known = {w: r.producer_epoch for w, r in self.rings.items()}
@@ -253,6 +280,7 @@ class RingFeed:
         # (same pub_seq) that this rank saw but never acked under the old epoch.
         self._seen_pubs.clear()
         self.welcome = msg
+        self.plan = str(msg.plan["id"])   # what `have` is from now on; a later HELLO says so
         self.state = "streaming"
         self.error = ""
         self.welcomed.set()

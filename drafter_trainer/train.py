@@ -43,12 +43,12 @@ from common.channel import CurveKeys
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
-from common.protocol import new_session_secret
+from common.protocol import ProtocolError, check_plan, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_checkpoint, lock_out_dir, sample_stats,
-                         save_checkpoint, sweep_partial)
+from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_checkpoint, lock_out_dir, plan_changes,
+                         sample_stats, save_checkpoint, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -65,6 +65,11 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
 EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
+EXIT_PLAN_CHANGED = 6     # the target serves another data plan than the checkpoint's: restarting would not help
+
+
+class PlanChanged(Exception):
+    """The checkpoint's batches are of another data plan than the target server's (see `_new_plan`)."""
 
 
 class StoppedWaiting(Exception):
@@ -288,6 +293,7 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
+        self.resumed_plan: dict[str, Any] = {}   # the data plan of the checkpoint's `have` ({}: none recorded)
         if self.ranks.rank == 0:
             self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
             sweep_partial(self.out_dir)
@@ -303,6 +309,12 @@ class Trainer:
         self.resumed_batches = len(self.trained)
         self.trained_samples = {int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
         self.last_checkpoint = path
+        if meta.get("plan"):
+            try:
+                self.resumed_plan = check_plan(meta["plan"], "meta.json plan")
+            except ProtocolError as e:
+                raise ValueError(f"{path}: {e}; the checkpoint's data plan is unreadable (restore its meta.json, "
+                                 "or remove its 'plan' to resume it unchecked)") from None
         if meta.get("config_hash") != self.cfg.hash("drafter"):
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
                         path, meta.get("config_hash"))
@@ -330,7 +342,7 @@ class Trainer:
             state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
                      "drafter_config": dataclasses.asdict(self.model.config), "split_fc": self.cfg.drafter.split_fc,
                      "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
-            meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason,
+            meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason, "plan": self.plan,
                     "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
                     "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
                     "epochs": epoch_stats(samples_np)}
@@ -377,7 +389,7 @@ class Trainer:
             start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
         self.state = "waiting_for_target"
         self.feed = RingFeed(cfg, self.ranks.rank, self.ranks.world, job, have, self.device, cfg.train.epochs,
-                             secret=secret)
+                             secret=secret, plan=str(self.resumed_plan.get("id", "")))
         t_connect = time.perf_counter()
         self.startup["resume_and_endpoints_s"] = t_connect - t0
         self.feed.launch()
@@ -388,11 +400,23 @@ class Trainer:
         if built is not None and built[1] is not None and not self.feed.welcomed.wait(WELCOME_GRACE_S):
             built[1].start()   # the target is still loading or warming up: compile while waiting for it
         welcome = self.feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
+        new_plan = self.feed.state == "plan_changed"
+        if new_plan:
+            self._new_plan(self.feed.refused_for_plan)   # PlanChanged unless train.new_plan
+            welcome = self.feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
         self.startup["welcome_s"] = time.perf_counter() - t_connect
         if self.feed.state == "failed":
             raise RuntimeError(f"feed failed: {self.feed.error}")
         if welcome is None:
             raise StoppedWaiting(self.flags.reason or "stop requested")
+        self.plan = dict(welcome.plan)   # recorded in every checkpoint
+        if self.last_checkpoint and not self.resumed_plan and not new_plan:
+            log.warning("%s records no data plan (written before plans were fingerprinted): resuming it as if it "
+                        "were of the target's plan %s, which cannot be checked; its next checkpoints record it",
+                        self.last_checkpoint, self.plan["id"])
+        elif cfg.train.new_plan and self.resumed_plan and not new_plan:
+            log.info("train.new_plan is set but the data plan is unchanged (%s): resuming its accounting",
+                     self.plan["id"])
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
@@ -432,6 +456,25 @@ class Trainer:
                 self._init_wandb()
         self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
         self.state = "training"
+
+    def _new_plan(self, served: dict[str, Any]) -> None:
+        """The target serves another data plan than the checkpoint's `have` counts batches of: the
+        same seqs hold other documents, so resuming would train some samples twice and others never.
+        Refuse (PlanChanged, naming what changed), or with train.new_plan start a new accounting on
+        purpose: the weights (and optimizer, step) stay, `have` and the sample accounting restart
+        empty for the new plan, and with them the learning-rate schedule (a function of progress)."""
+        changes = "; ".join(plan_changes(self.resumed_plan, served))
+        if not self.cfg.train.new_plan:
+            raise PlanChanged(
+                f"{self.last_checkpoint} was trained on data plan {self.resumed_plan.get('id')}, the target server "
+                f"at {self.cfg.service.target_endpoint} serves data plan {served['id']}: {changes}. Resuming would "
+                "train some samples twice and others never. Restore the target's settings, or start a new "
+                "accounting on purpose with train.new_plan=true (the weights are kept); nothing was changed")
+        log.warning("train.new_plan: leaving data plan %s for %s (%s) at step %d: the weights are kept, the "
+                    "exactly-once accounting (%d batches held) restarts empty for the new plan",
+                    self.resumed_plan.get("id"), served["id"], changes, self.step, len(self.trained))
+        self.trained, self.resumed_batches, self.trained_samples, self.epoch = SeqSet(), 0, {}, 0
+        self.feed.restart_accounting()
 
     def _init_wandb(self) -> None:
         try:
@@ -699,6 +742,9 @@ def main(cfg: Config) -> int:
     except OutDirInUse as e:
         log.error("trainer refused: %s", e)
         rc = EXIT_OUT_DIR_IN_USE
+    except PlanChanged as e:
+        log.error("trainer refused: %s", e)
+        rc = EXIT_PLAN_CHANGED
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)

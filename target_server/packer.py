@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 
 import numpy as np
 
+from common.protocol import plan_id
 from target_server.data import PreparedDataset
 
 _MASK64 = (1 << 64) - 1
@@ -218,6 +220,34 @@ class Packer:
         epoch, index = self.locate(seq)
         docs, bounds = self._epoch(epoch)
         return docs[bounds[index]:bounds[index + 1]].tolist()
+
+
+def data_plan(dataset: PreparedDataset, packer: Packer) -> dict[str, str | int]:
+    """The fingerprint of what the server serves as batch seq s: every input that decides it, named
+    by the setting it comes from (so a trainer can say *what* changed), plus `id`, their hash.
+
+    The data's own content and preparation come from the prepared folder's meta.json (what was
+    served, even when data.train_path names a prepared folder made with other settings); the
+    packing from the packer. `packing` is the hash of epoch 0's batches: it catches what the
+    named settings do not (another packing algorithm, the same file prepared by other code).
+    """
+    meta = dataset.meta
+
+    def digest(key: str) -> str:
+        return str(meta.get(key) or "")[:16]
+    components: dict[str, str | int] = {
+        "data.train_path": digest("source_sha256"),
+        "data.format": str(meta.get("source_format") or ""),
+        "target.tokenizer": digest("tokenizer_sha256"),
+        "data.chat_template": digest("chat_template_sha256"),
+        "data.chat_template_kwargs": json.dumps(meta.get("chat_template_kwargs") or {}, sort_keys=True),
+        "data.max_len": int(meta.get("max_len") or 0),
+        "data.overlong": str(meta.get("overlong") or ""),
+        "data.seed": packer.seed,
+        "data.token_budget": packer.token_budget,
+        "packing": packer.fingerprint(0)[:16],
+    }
+    return {**components, "id": plan_id(components)}
 
 
 def build_packed(dataset: PreparedDataset, doc_indices: list[int]) -> dict[str, np.ndarray]:

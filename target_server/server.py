@@ -36,11 +36,11 @@ import zmq
 
 from common.channel import CurveKeys, RouterChannel
 from common.config import Config
-from common.liveness import pid_alive
+from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import (Ack, Announce, Commit, Control, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError,
                              Reply, RingInfo, Welcome, next_rid, same_secret, secret_tag)
-from common.ring import SlotState
+from common.ring import ProducerRing, SlotState
 from common.seqset import SeqSet
 
 from .delivery import Assignment, Dispatcher, EpochPlan, RankPeer, Session, outstanding
@@ -80,6 +80,8 @@ class TargetServer:
         self._wake_pull.bind(self._wake_addr)
         self._wake_local = threading.local()
         self.dataset, self.packer, self.plan, self.target_info = None, None, EpochPlan([]), {}
+        self.data_plan: dict[str, str | int] = {}   # what batch seq s holds, fingerprinted (packer.data_plan)
+        self.role_locks: list[RoleLock] = []         # the producer role of every worker's ring
         self.heldout_dataset, self.heldout_packer, self.heldout_count = None, None, 0
         self.workers: list[TargetWorker] = []
         self.channel: RouterChannel | None = None
@@ -114,11 +116,14 @@ class TargetServer:
 
     def _load_data(self) -> None:
         from .data import ensure_prepared
-        from .packer import Packer
+        from .packer import Packer, data_plan
         d = self.cfg.data
         self.dataset = ensure_prepared(self.cfg)
         self.packer = Packer(self.dataset.lengths, d.token_budget, d.seed)
         self._plan_epochs(1)
+        self.data_plan = data_plan(self.dataset, self.packer)
+        log.info("data plan %s: %s", self.data_plan["id"],
+                 ", ".join(f"{k}={v}" for k, v in self.data_plan.items() if k != "id"))
         if d.heldout_path:
             # Prepared and packed exactly like the training data; held-out batch i = its epoch-0 batch i.
             self.heldout_dataset = ensure_prepared(self.cfg, "heldout_path")
@@ -144,8 +149,21 @@ class TargetServer:
                                      num_capture_layers=t.num_capture_layers
                                      ).fix_linear_shape(self.cfg.data.token_budget)
 
+    def _take_ring_roles(self) -> None:
+        """The producer role of every worker's ring, before anything slow: a second server for the
+        same rings is refused in milliseconds, not after loading its model (minutes for a large target)."""
+        r = self.cfg.ring
+        for worker in range(len(self.cfg.target.devices)):
+            try:
+                self.role_locks.append(ProducerRing.take_role(r.shm_dir, r.name, worker))
+            except LockHeld as e:
+                raise RuntimeError(f"another target server serves ring {r.name!r} (worker {worker}): {e}. One "
+                                   f"server per ring.name: stop that one, or give this one another "
+                                   f"ring.name") from None
+
     def start(self) -> None:
         t = self.cfg.target
+        self._take_ring_roles()
         if t.triton_cache_dir:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
         self.channel = RouterChannel(self.cfg.service.target_endpoint,
@@ -160,7 +178,7 @@ class TargetServer:
             w = TargetWorker(i, device, self.cfg, self._load_runner, self.dataset, self.packer, self.dispatcher,
                              self._notify, self._on_quarantine, self.stages,
                              heldout_dataset=self.heldout_dataset, heldout_packer=self.heldout_packer,
-                             on_heldout_quarantine=self._on_heldout_quarantine)
+                             on_heldout_quarantine=self._on_heldout_quarantine, role=self.role_locks[i])
             self.workers.append(w)
             w.start()
 
@@ -193,6 +211,7 @@ class TargetServer:
                         "quarantined": quarantined, "discarded": counters["discarded"]},
             "tokens": sum(w.tokens for w in self.workers),
             "epoch_sizes": self.plan.sizes,
+            "plan": dict(self.data_plan),
             "pending": self.dispatcher.pending_count(),
             "computing": len(self.dispatcher.computing),
             "heldout": {"batches": self.heldout_count, "produced": sum(w.heldout_batches for w in self.workers),
@@ -299,6 +318,13 @@ class TargetServer:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
                                           error=f"target server is {self.state}; not serving yet"))
             return
+        if msg.plan and msg.plan != self.data_plan["id"]:
+            # The HELLO's have set counts batches of another plan: here they hold other documents.
+            # Refused before any session is touched; the trainer reads our plan from the refusal.
+            self._refuse(peer, msg.rid, "plan_changed",
+                         f"hello refused: the trainer's checkpoint was trained on data plan {msg.plan}, this "
+                         f"server serves data plan {self.data_plan['id']}", result={"plan": dict(self.data_plan)})
+            return
         s = self.session
         if s is not None and s.job == msg.job and not same_secret(msg.secret, s.secret):
             # The job is public (status shows it), the secret is not: whoever this is, it is not a
@@ -318,7 +344,7 @@ class TargetServer:
             # or another plan's, and would end epochs that were never trained.
             self._refuse(peer, msg.rid, "out_of_plan",
                          f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
-                         f"epoch(s) of this plan hold seqs [0, {planned})")
+                         f"epoch(s) of this plan (data plan {self.data_plan['id']}) hold seqs [0, {planned})")
             return
         if s is not None and s.job != msg.job:
             self._end_session("replaced by a new trainer session")
@@ -349,18 +375,19 @@ class TargetServer:
         ready = sorted(int(info.meta["seq"]) for _, info in self._ring_ready() if not self._is_heldout(info))
         self.channel.send(peer, Welcome(rid=msg.rid, consumer_epoch=s.consumer_epoch, rings=rings,
                                         target=self.target_info, epoch_sizes=self.plan.sizes[: s.epochs],
-                                        ready=ready, heldout_batches=self.heldout_count))
+                                        ready=ready, heldout_batches=self.heldout_count, plan=self.data_plan))
         self._announce()
 
-    def _refuse(self, peer: bytes, rid: int | None, reason: str, error: str) -> None:
-        """Count, log (the first few of each reason, then 1 in 1000) and answer a refused message;
-        the session is not touched."""
+    def _refuse(self, peer: bytes, rid: int | None, reason: str, error: str,
+                result: dict[str, Any] | None = None) -> None:
+        """Count, log (the first few of each reason, then 1 in 1000) and answer a refused message
+        (with `result`, what the sender needs to act on it); the session is not touched."""
         self.refused[reason] += 1
         n = self.refused[reason]
         if n <= 10 or n % 1000 == 0:
             log.warning("refused (%s, #%d): %s", reason, n, error)
         if rid is not None:
-            self.channel.send(peer, Reply(rid=rid, ok=False, result={}, error=error))
+            self.channel.send(peer, Reply(rid=rid, ok=False, result=result or {}, error=error))
 
     def _peer_alive(self, p: RankPeer) -> bool:
         if time.monotonic() - p.last_seen > self.cfg.service.lease_s:
@@ -576,13 +603,13 @@ class TargetServer:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
-        self.start()
-        poller = zmq.Poller()
-        poller.register(self.channel.socket, zmq.POLLIN)
-        poller.register(self._wake_pull, zmq.POLLIN)
         svc = self.cfg.service
         last_scan = last_ping = 0.0
         try:
+            self.start()   # inside the try: a failed start gives back what it took (roles, endpoint)
+            poller = zmq.Poller()
+            poller.register(self.channel.socket, zmq.POLLIN)
+            poller.register(self._wake_pull, zmq.POLLIN)
             while not self._stop:
                 events = dict(poller.poll(int(svc.rescan_s * 1000)))
                 if self._wake_pull in events:
@@ -649,6 +676,8 @@ class TargetServer:
                 w.join(timeout=30)
             finally:
                 w.close()  # unlink the ring even if the worker misbehaved
+        for lock in self.role_locks:
+            lock.release(unlink=True)   # a role whose worker never started (idempotent otherwise)
         if self.channel is not None:
             self.channel.close()
         self._wake_pull.close(0)

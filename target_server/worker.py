@@ -26,6 +26,7 @@ import torch
 
 from common.batch import TOKEN_TENSORS, slot_tensor_specs
 from common.metrics import StageTimes
+from common.liveness import RoleLock
 from common.ring import ProducerRing, slot_bytes
 
 from .delivery import Dispatcher, Work
@@ -67,7 +68,10 @@ class TargetWorker(threading.Thread):
                  dataset, packer, dispatcher: Dispatcher, notify: Callable[[], None],
                  on_quarantine: Callable[[int, str], None], stages: StageTimes,
                  heldout_dataset=None, heldout_packer=None,
-                 on_heldout_quarantine: Callable[[int, str], None] | None = None) -> None:
+                 on_heldout_quarantine: Callable[[int, str], None] | None = None,
+                 role: RoleLock | None = None) -> None:
+        """role: the producer role of this worker's ring, already taken (ProducerRing.take_role), so
+        that a second server is refused before it loads a model; the ring owns it once created."""
         super().__init__(name=f"target-worker-{worker}", daemon=True)
         self.worker = worker
         self.device = device
@@ -84,6 +88,7 @@ class TargetWorker(threading.Thread):
         self.stages = stages
         self.runner = None
         self.ring: ProducerRing | None = None
+        self.role = role
         self.state = "loading"
         self.error: BaseException | None = None
         self.ready = threading.Event()
@@ -102,12 +107,13 @@ class TargetWorker(threading.Thread):
 
     def _setup(self) -> None:
         t0 = time.perf_counter()
+        log.info("worker %d: loading the target on %s", self.worker, self.device)
         self.runner = self._load_runner(self.device)
         self.model_loads += 1
         self.stages.add("load", time.perf_counter() - t0)
         r = self.cfg.ring
         self.ring = ProducerRing.create(r.shm_dir, r.name, self.worker, r.slots, self.slot_size(),
-                                        cuda_register=r.cuda_register)
+                                        cuda_register=r.cuda_register, role=self.role)
         self.state = "warming"
         if self.cfg.target.warmup:
             self._warmup()
@@ -350,6 +356,8 @@ class TargetWorker(threading.Thread):
         if self.ring is not None:
             self.ring.close(unlink=True)
             self.ring = None
+        if self.role is not None:
+            self.role.release(unlink=True)   # never created a ring (or it already gave the role up)
 
 
 class _Entered:

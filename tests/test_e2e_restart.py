@@ -4,6 +4,7 @@ exactly once and the target is never reloaded by a trainer restart."""
 from __future__ import annotations
 
 import glob
+import json
 import random
 import signal
 import time
@@ -234,6 +235,66 @@ def test_a_full_disk_fails_checkpoints_without_losing_a_sample_and_a_lasting_one
         assert_exactly_once(config)
         status = ctl(ep_target, "status")
         assert status["model_loads"] == 1 and status["batches"]["quarantined"] == 0
+    finally:
+        for s in services[::-1]:
+            s.stop()
+    _no_ring_files(cfg)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under root and its bytes, but the out_dir lock (its content is the holder's pid)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "trainer.lock"}
+
+
+def test_a_changed_data_plan_is_refused_naming_it_and_new_plan_starts_a_new_accounting(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    cfg = load(config)
+    ep_target, ep_trainer = cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    out_dir = tmp_path / "run"
+    services: list[Service] = []
+    try:
+        target, tr = _serving_target_and_trainer(config, tmp_path, services)
+        old_plan = ctl(ep_target, "status")["plan"]
+        assert ctl(ep_trainer, "shutdown") == {"accepted": "shutdown"}
+        assert tr.wait(60) == 0, tr.log()
+        assert inspect_run(config)["plan"] == old_plan
+        # a checkpoint from before plans were fingerprinted: resumed with a warning, records it from then on
+        meta_path = Path(inspect_run(config)["path"]) / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["plan"]
+        meta_path.write_text(json.dumps(meta))
+        old = Service("trainer", config, tmp_path, overrides=[f"train.max_steps={meta['step'] + 2}"])
+        services.append(old)
+        assert old.wait(300) == 0, old.log()
+        assert "records no data plan" in old.log(tail=10_000)
+        stopped = inspect_run(config)
+        assert stopped["plan"] == old_plan and stopped["step"] == meta["step"] + 2
+        target.stop()
+        assert target.proc.returncode == 0, target.log()
+
+        # the target comes back with another seed: the same seqs now hold other documents
+        target2 = Service("target-server", config, tmp_path, overrides=["data.seed=1"])
+        services.append(target2)
+        new_plan = wait_for(lambda: _serving(ep_target), 180, "target serving the new plan")["plan"]
+        assert new_plan["id"] != old_plan["id"] and new_plan["data.seed"] == 1
+        before = _files(out_dir)
+        refused = Service("trainer", config, tmp_path)
+        services.append(refused)
+        assert refused.wait(300) == 6, refused.log()
+        log = refused.log(tail=10_000)
+        assert "data.seed: 0 -> 1" in log and "train.new_plan=true" in log, log
+        assert _files(out_dir) == before, "the refused trainer changed nothing in out_dir"
+        assert ctl(ep_target, "status")["refused"] == {"plan_changed": 1}
+
+        # on purpose: the weights are kept, the accounting starts anew for the new plan
+        tr3 = Service("trainer", config, tmp_path, overrides=["train.new_plan=true"])
+        services.append(tr3)
+        assert tr3.wait(300) == 0, tr3.log()
+        assert "train.new_plan: leaving data plan" in tr3.log(tail=10_000)
+        info = assert_exactly_once(config)
+        # the new plan's epoch, every sample once, counted on from the old run's step (one batch a step)
+        assert info["plan"] == new_plan and info["step"] == stopped["step"] + info["batches"], (stopped, info)
     finally:
         for s in services[::-1]:
             s.stop()

@@ -17,21 +17,23 @@ import common.protocol as protocol
 from common.protocol import (
     CONTROL_COMMANDS, MESSAGE_TYPES, PROTOCOL_VERSION, Ack, Announce, Commit, Control, EpochEnd, Fenced,
     Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo, Welcome, check_announce, check_ring_ref,
-    decode, epoch_range, next_rid, validate_slot_index,
+    decode, epoch_range, next_rid, plan_id, validate_slot_index,
 )
 from common.seqset import SeqSet
 
 SECRET = "0123456789abcdef0123456789abcdef"
 RING = RingInfo(worker=0, path="/dev/shm/dfpipe.w0.17", slot_count=6, slot_size=64 << 20, producer_epoch=17)
+PLAN_PARTS = {"data.seed": 0, "data.token_budget": 4096, "data.train_path": "9f86d081884c7d65"}
+PLAN = {**PLAN_PARTS, "id": plan_id(PLAN_PARTS)}
 SAMPLES: dict[str, Message] = {
     "hello": Hello(rid=7, job="3f2a9c1b0d4e-4242", secret=SECRET, rank=1, world=2, pid=4242, start_time=123456,
                    have=SeqSet.from_ranges([(0, 90), (95, 97)]),
-                   epochs=6, credit=2, heldout=False),
+                   epochs=6, credit=2, heldout=False, plan="0123456789abcdef"),
     "welcome": Welcome(rid=7, consumer_epoch=3,
                        rings=[RING, dataclasses.replace(RING, worker=1, path="/dev/shm/dfpipe.w1.17")],
                        target={"hidden_size": 64, "num_layers": 4, "layer_ids": [1, 2], "vocab_size": 1000,
                                "model": "/models/tiny", "dtype": "fp32", "mask_token_id": 999, "eps": 1e-6},
-                       epoch_sizes=[100, 100, 101], ready=[90, 91], heldout_batches=4),
+                       epoch_sizes=[100, 100, 101], ready=[90, 91], heldout_batches=4, plan=PLAN),
     "announce": Announce(consumer_epoch=3, worker=1, slot=5, pub_seq=1000, seq=150, epoch=1, heldout=False),
     "epoch_end": EpochEnd(consumer_epoch=3, epoch=0),
     "ack": Ack(consumer_epoch=3, secret=SECRET, worker=1, slot=5, pub_seq=1000, seq=150),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from common.protocol import (
     CONTROL_COMMANDS, INT64_MAX, MESSAGE_TYPES, PROTOCOL_VERSION, Ack, Announce, Commit, Control, EpochEnd,
-    Fenced, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo, Welcome, decode,
+    Fenced, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo, Welcome, decode, plan_id,
 )
 from common.seqset import SeqSet
 
@@ -113,7 +113,8 @@ def hellos(draw: Any) -> Hello:
     return Hello(rid=draw(u63), job=draw(st.text(min_size=1, max_size=40)), secret=draw(session_secrets), rank=rank,
                  world=world, pid=draw(st.integers(1, INT64_MAX)),
                  start_time=draw(u63), have=draw(seq_sets()), epochs=draw(st.integers(1, 4096)),
-                 credit=draw(st.integers(1, 1024)), heldout=draw(st.booleans()) if rank == 0 else False)
+                 credit=draw(st.integers(1, 1024)), heldout=draw(st.booleans()) if rank == 0 else False,
+                 plan=draw(st.one_of(st.just(""), st.text(alphabet="0123456789abcdef", min_size=16, max_size=16))))
 
 
 @st.composite
@@ -122,7 +123,14 @@ def welcomes(draw: Any) -> Welcome:
     return Welcome(rid=draw(u63), consumer_epoch=draw(u63), rings=ring_list,
                    target=draw(st.dictionaries(key, target_values, max_size=10)),
                    epoch_sizes=draw(st.lists(u63, max_size=8)), ready=draw(st.lists(u63, max_size=20)),
-                   heldout_batches=draw(st.integers(0, 1 << 12)))
+                   heldout_batches=draw(st.integers(0, 1 << 12)), plan=draw(plans()))
+
+
+@st.composite
+def plans(draw: Any) -> dict[str, Any]:
+    parts = draw(st.dictionaries(key.filter(lambda k: k != "id"), st.one_of(st.text(max_size=40), u63),
+                                 min_size=1, max_size=12))
+    return {**parts, "id": plan_id(parts)}
 
 
 @st.composite

@@ -357,7 +357,7 @@ def test_too_small_shm_dir_raises_ring_space_error_and_leaves_no_file(
                 OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
         with pytest.raises(RingSpaceError, match=r"needs \d+ bytes .* \d+ bytes are available"):
             ProducerRing.create(small, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
-        assert [n for n in os.listdir(small) if not n.endswith(".lock")] == []
+        assert os.listdir(small) == [], "a failed creation leaves no ring file and no lock file"
         assert not RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
     finally:
         if mounted:
@@ -371,9 +371,49 @@ def test_enospc_from_posix_fallocate_is_a_space_error_with_no_file_left(
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(RingSpaceError, match="No space left"):
         ProducerRing.create(shm_dir, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
-    assert [n for n in os.listdir(shm_dir) if not n.endswith(".lock")] == []
+    assert os.listdir(shm_dir) == [], "a failed creation leaves no ring file and no lock file"
     monkeypatch.undo()
     ProducerRing.create(shm_dir, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off").close()
+
+
+def test_a_role_taken_ahead_is_refused_to_a_second_producer_and_a_failed_create_gives_it_up(
+        tmp_path: pytest.TempPathFactory, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real 8 MiB tmpfs when root may mount one (room for a 1-slot ring, not a 4-slot one);
+    # otherwise the allocation itself reports ENOSPC
+    small = os.path.join(str(tmp_path), "small-shm")
+    os.mkdir(small)
+    mounted = _mount_tmpfs(small, "8m")
+    try:
+        if not mounted:
+            monkeypatch.setattr(ring_mod, "_check_space", lambda *a: None)
+            monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        role = ProducerRing.take_role(small, ring_name, 0)
+        assert RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
+        code = ("import sys; from common.ring import ProducerRing; "
+                f"ProducerRing.take_role({small!r}, {ring_name!r}, 0)")
+        second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and f"held by pid {os.getpid()}" in second.stderr, second.stderr
+        with pytest.raises(RingSpaceError):
+            ProducerRing.create(small, ring_name, 0, slot_count=4, slot_size=MiB, cuda_register="off", role=role)
+        assert not role.held and os.listdir(small) == [], "the failed creation gave up the role and left nothing"
+        monkeypatch.undo()
+        ProducerRing.create(small, ring_name, 0, slot_count=1, slot_size=MiB, cuda_register="off").close()
+        assert os.listdir(small) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", small], check=True)
+
+
+def test_a_failure_after_the_file_is_made_leaves_no_ring_and_no_lock_file(
+        shm_dir: str, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_register(self: ProducerRing, mode: str) -> None:
+        raise RingError("injected: registration failed")
+    monkeypatch.setattr(ProducerRing, "_register", broken_register)
+    with pytest.raises(RingError, match="injected"):
+        ProducerRing.create(shm_dir, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
+    assert os.listdir(shm_dir) == []
+    assert not RoleLock.anyone_holds(shm_dir, f"{ring_name}.w0", "producer")
 
 
 def test_role_lock_is_released_by_the_kernel_when_its_holder_is_killed(shm_dir: str) -> None:

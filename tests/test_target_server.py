@@ -440,3 +440,46 @@ def test_a_publisher_that_stopped_for_a_shutdown_is_not_a_failure() -> None:
         TargetWorker._put_alive(worker, full, "batch", gone)   # died while serving: an error
     worker._halt.set()
     TargetWorker._put_alive(worker, full, "batch", gone)       # returned on stop: quiet
+
+
+def test_a_second_server_is_refused_before_it_loads_and_a_hello_of_another_plan_touches_nothing(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=40)
+    cfg = load(config)
+    endpoint = cfg["service"]["target_endpoint"]
+    first = Service("target-server", config, tmp_path)
+    try:
+        status = wait_for(lambda: _serving(endpoint), 180, "target serving")
+        assert "loading the target" in first.log(tail=10_000)
+        # the same rings, another endpoint: refused on the ring's producer role, before data or model
+        second = Service("target-server", config, tmp_path,
+                         overrides=[f"service.target_endpoint={endpoint.removesuffix('.sock')}-2.sock"])
+        assert second.wait(120) != 0, second.log()
+        refused = second.log(tail=10_000)
+        assert f"another target server serves ring {cfg['ring']['name']!r}" in refused, refused
+        assert f"held by pid {first.pid}" in refused, refused
+        assert "loading the target" not in refused and "data plan" not in refused, refused
+        assert first.alive() and ctl(endpoint, "status")["model_loads"] == 1
+
+        # a HELLO whose have set is of another data plan: refused with our plan, no session touched
+        plan = status["plan"]
+        other = "0" * 16 if plan["id"] != "0" * 16 else "1" * 16
+        chan = DealerChannel(endpoint)
+        try:
+            chan.send(Hello(rid=next_rid(), job="other-plan", secret=new_session_secret(), rank=0, world=1,
+                            pid=os.getpid(), start_time=process_start_time(os.getpid()) or 0, have=SeqSet([0, 1]),
+                            epochs=1, credit=2, heldout=False, plan=other))
+            reply = chan.recv(timeout_s=10)
+        finally:
+            chan.close()
+        assert isinstance(reply, Reply) and not reply.ok, reply
+        assert f"data plan {other}" in reply.error and reply.result["plan"] == plan
+        after = ctl(endpoint, "status")
+        assert after["session"] is None and after["refused"] == {"plan_changed": 1} and after["sessions"] == 0
+        consumer = ScriptedConsumer(endpoint, SeqSet(), job="no-plan-yet")   # plan "": a fresh trainer
+        try:
+            assert consumer.welcome.plan == plan
+        finally:
+            consumer.close()
+    finally:
+        first.stop()
