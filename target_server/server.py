@@ -62,9 +62,10 @@ class TargetServer:
         self.quarantine_log: list[dict[str, Any]] = []
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
                          "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0,
-                         "bad_messages": 0,
+                         "bad_messages": 0, "corrupt_slots": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
+        self._corrupt_seen = False   # a slot was freed for a bad table since the last replan
         # messages refused because of who sent them or what they claim (not malformed: those are
         # the channel's bad_messages), by reason; none of them changes a session
         self.refused: collections.Counter[str] = collections.Counter()
@@ -208,7 +209,8 @@ class TargetServer:
             "consumer_epoch": s.consumer_epoch if s else self.next_consumer_epoch - 1,
             "batches": {"produced": sum(w.batches for w in self.workers), "acked": counters["acked"],
                         "redelivered": counters["redelivered"], "recomputed": self.dispatcher.recomputed,
-                        "quarantined": quarantined, "discarded": counters["discarded"]},
+                        "quarantined": quarantined, "discarded": counters["discarded"],
+                        "corrupt_slots": counters["corrupt_slots"]},
             "tokens": sum(w.tokens for w in self.workers),
             "epoch_sizes": self.plan.sizes,
             "plan": dict(self.data_plan),
@@ -231,10 +233,21 @@ class TargetServer:
 
     # ---- sessions ------------------------------------------------------------------------------
     def _ring_ready(self) -> list[tuple[TargetWorker, Any]]:
+        """READY slots with a valid table. A READY slot whose table does not validate (its bytes
+        changed under us: /dev/shm is writable by its owner) is freed, counted (`corrupt_slots`) and
+        logged: its batch is then in no slot, so the next replan computes its seq again."""
         out = []
         for w in self.workers:
-            if w.ring is not None:
-                out.extend((w, info) for info in w.ring.ready())
+            if w.ring is None:
+                continue
+            for info in w.ring.ready():
+                if info.meta is not None:
+                    out.append((w, info))
+                elif w.ring.discard(info.index, info.pub_seq):
+                    self.counters["corrupt_slots"] += 1
+                    self._corrupt_seen = True
+                    log.error("worker %d slot %d (pub_seq %d): its table does not validate; slot freed, its batch "
+                              "will be computed again", w.worker, info.index, info.pub_seq)
         return out
 
     @staticmethod
@@ -404,6 +417,10 @@ class TargetServer:
         s = self.session
         if s is None or self.state not in ("serving", "paused", "draining", "drained"):
             return
+        if self._corrupt_seen:   # a slot freed for a bad table took its batch with it: queue it again
+            self._corrupt_seen = False
+            self._replan()
+            self._plan_heldout()
         # held-out slots first (few, acked at once), then training batches oldest seq first
         ready = sorted(self._ring_ready(), key=lambda wi: (not self._is_heldout(wi[1]), int(wi[1].meta["seq"])))
         peers = sorted(s.peers.values(), key=lambda p: p.rank)

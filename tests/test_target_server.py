@@ -483,3 +483,41 @@ def test_a_second_server_is_refused_before_it_loads_and_a_hello_of_another_plan_
             consumer.close()
     finally:
         first.stop()
+
+
+def test_a_slot_whose_table_was_corrupted_is_freed_and_its_batch_computed_again(two_worker_server) -> None:
+    """A byte of a READY slot's table flipped in /dev/shm: the server frees the slot and counts it
+    (never crashes on it), and the batch reaches the trainer anyway, computed again, exactly once."""
+    from common import ring as ring_mod
+    from common.ring import SlotState
+
+    cfg, server, status = two_worker_server
+    endpoint = cfg["service"]["target_endpoint"]
+    total = sum(status["epoch_sizes"])
+    consumer = ScriptedConsumer(endpoint, SeqSet(), job="corrupt")
+    announced: list[Announce] = []
+    deadline = time.monotonic() + 120
+    while len(announced) < 2 and time.monotonic() < deadline:   # its whole credit, left unacked
+        msg = consumer.chan.recv(timeout_s=0.5)
+        if isinstance(msg, Announce) and all((a.worker, a.slot) != (msg.worker, msg.slot) for a in announced):
+            announced.append(msg)
+    assert len(announced) == 2
+
+    def unannounced_ready():
+        for w, ring in consumer.rings.items():
+            for info in ring.slots():
+                if info.state is SlotState.READY and all((a.worker, a.slot) != (w, info.index) for a in announced):
+                    return ring, info
+        return None
+    ring, victim = wait_for(unannounced_ready, 120, "a READY slot beyond the trainer's credit")
+    table = ring._slot_start(victim.index) + ring._words.load(ring._hw(victim.index, ring_mod._H.TABLE_OFFSET))
+    ring._mm[table + 3] ^= 0x5A
+
+    for msg in announced:
+        consumer._ack(msg)
+    got = [a.seq for a in announced] + consumer.take(total)
+    assert consumer.ended
+    assert sorted(got) == list(range(total)), "every batch exactly once, the corrupted one computed again"
+    final = ctl(endpoint, "status")
+    assert final["batches"]["corrupt_slots"] == 1 and final["pid"] == server.pid
+    consumer.close()
