@@ -54,6 +54,7 @@ from .devices import use_device
 from .export import ExportError, export_drafter
 from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
+from .metrics_sink import MetricsSink
 from .model import DFlashConfig, DFlashDraftModel
 from .optim import TrainerAdamW, trainer_adamw
 from .step import Ranks, StepSettings, train_step
@@ -245,7 +246,6 @@ class Trainer:
         self.checkpoint_failures_in_row = 0
         self.last_checkpoint_error = ""
         self.stopped_by_checkpoint_failures = False
-        self.metrics_lines_lost = 0
         self.trained = SeqSet()                     # seqs whose effect is in the weights
         self.resumed_batches = 0
         self.trained_samples: dict[int, list[np.ndarray]] = {}
@@ -259,8 +259,7 @@ class Trainer:
         self.epoch_samples = 0
         self.total_batches = 1
         self.control: TrainerControl | None = None
-        self.writer = None
-        self.metrics_file = None
+        self.metrics: MetricsSink | None = None     # rank 0's records (metrics.jsonl, TensorBoard, W&B)
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
         self.behind: CompileBehind | None = None       # the kernels compiling beside the first steps
@@ -277,7 +276,7 @@ class Trainer:
                 "batches_trained": len(self.trained), "batches_planned": self.total_batches,
                 "skipped_steps": self.skipped_steps, "checkpoint_failures": self.checkpoint_failures,
                 "last_checkpoint_error": self.last_checkpoint_error,
-                "metrics_lines_lost": self.metrics_lines_lost, "tokens": self.tokens,
+                "metrics_lines_lost": self.metrics.lines_lost if self.metrics else 0, "tokens": self.tokens,
                 "anchors_per_batch": round(self.anchors / max(1, len(self.trained) - self.resumed_batches), 1),
                 "tokens_per_s": round(self.tokens / elapsed, 2),
                 "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
@@ -446,14 +445,7 @@ class Trainer:
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
         if self.ranks.rank == 0:
-            os.makedirs(self.out_dir, exist_ok=True)
-            # unbuffered: a line the disk refuses is gone at once, not retried by every later flush
-            self.metrics_file = open(os.path.join(self.out_dir, "metrics.jsonl"), "ab", buffering=0)
-            if cfg.train.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
-            if cfg.train.wandb_project:
-                self._init_wandb()
+            self.metrics = MetricsSink(self.out_dir, cfg.train.tensorboard, cfg.train.wandb_project, cfg.to_dict())
         self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
         self.state = "training"
 
@@ -475,14 +467,6 @@ class Trainer:
                     self.resumed_plan.get("id"), served["id"], changes, self.step, len(self.trained))
         self.trained, self.resumed_batches, self.trained_samples, self.epoch = SeqSet(), 0, {}, 0
         self.feed.restart_accounting()
-
-    def _init_wandb(self) -> None:
-        try:
-            import wandb
-        except ImportError:
-            log.warning("train.wandb_project is set but wandb is not installed; logging to TensorBoard only")
-            return
-        self.wandb = wandb.init(project=self.cfg.train.wandb_project, config=self.cfg.to_dict(), resume="allow")
 
     # ---- one step ------------------------------------------------------------------------------
     def _next_batch(self, ends_seen: set[int]):
@@ -527,12 +511,7 @@ class Trainer:
                    "anchors": out.num_anchors, "step_s": step_s, "wait_s": wait_s, "time": time.time()}
             log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
                      self.last_loss, lr, tau, rec["tokens_per_s"])
-            self._write_metrics(rec)
-            if self.writer is not None:
-                for k in ("loss", "lr", "tau", "tokens_per_s"):
-                    self.writer.add_scalar(f"train/{k}", rec[k], self.step)
-            if getattr(self, "wandb", None) is not None:
-                self.wandb.log(rec, step=self.step)
+            self.metrics.write(rec, self.step, {f"train/{k}": rec[k] for k in ("loss", "lr", "tau", "tokens_per_s")})
 
     def train_loop(self) -> int:
         cfg, ranks, model = self.cfg, self.ranks, self.model
@@ -649,15 +628,6 @@ class Trainer:
                 "acceptance_per_position": [round(a, 4) for a in acc],
                 "loss": ce_sum / weight_sum if weight_sum > 0 else float("nan"), "batches": len(batches)}
 
-    def _write_metrics(self, rec: dict[str, Any]) -> None:
-        """One metrics.jsonl line. A full disk costs lines (counted in status), never the run."""
-        try:
-            self.metrics_file.write((json.dumps(rec) + "\n").encode())
-        except OSError as e:
-            self.metrics_lines_lost += 1
-            if self.metrics_lines_lost in (1, 10) or self.metrics_lines_lost % 1000 == 0:
-                log.error("metrics.jsonl: %d line(s) lost so far: %s", self.metrics_lines_lost, e)
-
     def _eval_and_report(self) -> None:
         result = self.evaluate()
         if result is None:
@@ -668,12 +638,7 @@ class Trainer:
         rec = {"step": self.step, "eval_tau": result["tau"], "eval_loss": result["loss"],
                "eval_batches": result["batches"], "eval_acceptance_per_position": result["acceptance_per_position"],
                "time": time.time()}
-        self._write_metrics(rec)
-        if self.writer is not None:
-            self.writer.add_scalar("eval/tau", result["tau"], self.step)
-            self.writer.add_scalar("eval/loss", result["loss"], self.step)
-        if getattr(self, "wandb", None) is not None:
-            self.wandb.log({"eval/tau": result["tau"], "eval/loss": result["loss"]}, step=self.step)
+        self.metrics.write(rec, self.step, {"eval/tau": result["tau"], "eval/loss": result["loss"]})
 
     def _switch_if_compiled(self) -> None:
         """Between steps: run compiled from here on once the background compile is ready."""
@@ -716,10 +681,8 @@ class Trainer:
             self.feed.close()
         if self.control is not None:
             self.control.close()
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-        if self.writer is not None:
-            self.writer.close()
+        if self.metrics is not None:
+            self.metrics.close()
         self.ranks.close()
 
 

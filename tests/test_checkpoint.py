@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from drafter_trainer.checkpoint import (OutDirInUse, epoch_stats, list_checkpoints, lock_out_dir, sample_stats,
                                        save_checkpoint)
-from drafter_trainer.train import Trainer
+from drafter_trainer.metrics_sink import MetricsSink
 
 
 def test_every_epoch_is_accounted_for_with_its_own_duplicates() -> None:
@@ -44,12 +43,16 @@ def test_a_save_that_fails_leaves_no_folder_and_the_next_one_lands(tmp_path: Pat
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
-def test_metrics_lines_that_cannot_be_written_are_counted_not_fatal() -> None:
-    with open("/dev/full", "ab", buffering=0) as full:   # every write: ENOSPC, as on a full disk
-        trainer = SimpleNamespace(metrics_file=full, metrics_lines_lost=0)
-        for step in range(3):
-            Trainer._write_metrics(trainer, {"step": step})
-        assert trainer.metrics_lines_lost == 3
+def test_metrics_lines_that_cannot_be_written_are_counted_not_fatal(tmp_path: Path) -> None:
+    sink = MetricsSink(str(tmp_path))
+    sink.write({"step": 0}, 0, {"train/loss": 1.0})
+    sink._jsonl.close()
+    sink._jsonl = open("/dev/full", "ab", buffering=0)   # every write: ENOSPC, as on a full disk
+    for step in range(1, 4):
+        sink.write({"step": step}, step, {"train/loss": 1.0})
+    assert sink.lines_lost == 3
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 def test_a_really_full_disk_fails_the_save_as_an_os_error_and_leaves_nothing(tmp_path: Path, small_tmpfs) -> None:

@@ -27,7 +27,7 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
     toy_corpus.write_jsonl(train, str(data))
     recipe = tt.DrafterRecipe(num_layers=1, block_size=8, token_budget=2048, lr=3e-3)
     run = tmp_path / "run"
-    tt.train_drafter_through_services(target_dir, str(data), str(run), recipe, epochs=12)
+    tt.train_drafter_through_services(target_dir, str(data), str(run), recipe, epochs=24)   # ~120 steps
     trained = str(run / "train" / "export")
     assert os.path.isfile(os.path.join(trained, "model.safetensors"))
     export_drafter(tt.untrained_drafter(target_dir, recipe), str(tmp_path / "untrained"))
@@ -47,4 +47,4 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
         taus[name] = report.tau
     print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f}")
     assert taus["untrained"] < 1.3, taus
-    assert taus["trained"] >= taus["untrained"] + 0.5, taus
+    assert taus["trained"] >= taus["untrained"] + 1.0, taus   # measured: 1.00 -> 4.20
