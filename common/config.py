@@ -75,7 +75,7 @@ class DrafterConfig:
     split_fc: bool = False
     attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, flex on CUDA
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
-    warm_up: str = "behind"             # behind: step eagerly while compiling in the background | before | off
+    warm_up: str = "behind"             # behind: step eagerly while compiling in the background | off
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
     num_heads: int = 0                  # 0: the target's attention heads
@@ -254,7 +254,7 @@ def validate(cfg: Config) -> Config:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
     need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex"), "drafter.attn: auto | split | sdpa | flex")
     need(cfg.drafter.compile in ("auto", "off", "on"), "drafter.compile: auto | off | on")
-    need(cfg.drafter.warm_up in ("behind", "before", "off"), "drafter.warm_up: behind | before | off")
+    need(cfg.drafter.warm_up in ("behind", "off"), "drafter.warm_up: behind | off")
     need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,

@@ -59,8 +59,7 @@ from .model import DFlashConfig, DFlashDraftModel
 from .optim import TrainerAdamW, trainer_adamw
 from .step import Ranks, StepSettings, train_step
 from .target_head import TargetHead, read_target_head, text_config
-from .warmup import (CompileBehind, compiling_in_background, needs_compiling, preload_compiler,
-                     warm_up_kernels)
+from .warmup import CompileBehind, compiling_in_background, needs_compiling
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +137,14 @@ def drafter_gamma(cfg: Config) -> float:
 def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, times: dict[str, float] | None = None,
                   warm_up: str | None = None) -> tuple[DFlashDraftModel, CompileBehind | None]:
     """The drafter for `target` (WELCOME's target info: model_path, layer_ids), and the background
-    compile it steps behind, if any; `times` gets the seconds of the build, of reading the target's
-    embedding and head, and of a warm-up before the first step.
+    compile it steps behind, if any; `times` gets the seconds of the build and of reading the
+    target's embedding and head (which run side by side).
 
     warm_up (default `drafter.warm_up`): "behind" returns the model eager and a `CompileBehind`
-    that compiles its kernels beside the first steps (nothing to compile: neither); "before"
-    compiles the kernels on random inputs now, while another thread reads the head, so the first
-    step runs compiled; "off" compiles nothing ahead (the first step does).
+    that compiles its kernels beside the first steps (nothing to compile: neither); "off" returns
+    it compiling in place, so the first step compiles. (Compiling everything before the first step
+    took 33 s to the first step at the 27B shape and the published anchor density, against 16 s
+    behind: docs/benchmarks.md.)
     """
     target_dir = target["model_path"]
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
@@ -174,24 +174,12 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
             # compile_for is lazy but imports dynamo and inductor (seconds on the H200): beside the head read
             model.compile_for(device, cfg.drafter.compile)
         t1 = time.perf_counter()
-        warm_s = 0.0
-        if mode == "before":
-            try:
-                warm_s = warm_up_kernels(model, device, compute_dtype_for(cfg, device), cfg.data.token_budget,
-                                         cfg.drafter.max_anchors, drafter_gamma(cfg))
-            except Exception as e:   # an optimisation only: the first step compiles (and fails) for itself
-                log.warning("kernel warm-up failed, the first step will compile instead: %s: %s",
-                            type(e).__name__, e)
-                for p in model.parameters():
-                    p.grad = None
-                warm_s = time.perf_counter() - t1
         head, head_s = reading.result()   # re-raises the reader's error (a missing or mis-shaped head)
         model.set_target_head(head.embed_tokens, None if head.tied else head.lm_head)
     if times is not None:
         times["build_s"] = t1 - t0
         times["head_s"] = head_s
-        times["warmup_s"] = warm_s
-        times["build_head_warmup_s"] = time.perf_counter() - t0
+        times["build_and_head_s"] = time.perf_counter() - t0
     return model, behind
 
 
@@ -227,11 +215,6 @@ PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop,
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        # Compiling before the first step: import the compiler stack from the first line on. Behind
-        # it, nothing before the first step needs dynamo, and its import would slow that step.
-        if (cfg.drafter.compile != "off" and cfg.drafter.warm_up != "behind" and cfg.train.device != "cpu"
-                and torch.cuda.is_available()):
-            preload_compiler()
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
         self.flags = TrainerFlags()

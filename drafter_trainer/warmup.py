@@ -1,27 +1,23 @@
-"""Compile the drafter's kernels before the first batch, while the start-up waits on other things.
+"""Compile the drafter's kernels beside a restarted trainer's first steps (`drafter.warm_up: behind`).
 
 A trainer's first step on CUDA pays for compiling its kernels: flex attention, the compiled
 layers and the fused cross-entropy (`drafter.compile`), Triton's autotuning of them, and cuBLAS's
-first calls. From the inductor cache that is still seconds; cold it is tens of seconds. Nothing
-in that work depends on the target's weights or on real data, only on shapes, so a restarting
-trainer does it on random inputs of the training shapes while the target's embedding and head
-are read from disk (in another thread) and the target server's WELCOME is on its way. The first
-real step then finds every graph compiled.
+first calls. From the inductor cache that is still seconds (dynamo keeps no cache across
+processes); cold it is tens of seconds. Nothing in that work depends on the target's weights or
+on real data, only on shapes. So `CompileBehind` takes it off a restart's critical path: the
+trainer steps eagerly from its first batch while a background thread compiles and warms up the
+same kernels (`warm_up_kernels`, on random inputs) on a *shadow* drafter (same shapes, same weight
+memory), and switches to the compiled step at a step boundary once they are ready. Compiled code
+is found by the code object and guards, not by the module instance, so the model itself then
+compiles nothing more. (Compiling before the first step instead took twice as long to the first
+step at the 27B shape: docs/benchmarks.md.)
 
-The shapes are those of a full batch (`data.token_budget` tokens, `drafter.max_anchors` blocks),
+The warm-up shapes are those of a full batch (`data.token_budget` tokens, one chunk of blocks),
 then a second, shorter batch of odd length. Every graph is compiled with dynamic shapes, but a
 first trace still takes some values as given: Python ints it meets (say, in the flex mask's
 closure) become constants until a second value shows up, and inductor may assume a length is a
 multiple of 16. Real packed rows have every length up to the budget, so the first real batch
-would trigger that one recompile (seen on the H200: one graph more after a single-shape warm-up
-with flex attention). The second pass takes it here instead.
-
-Tracing those graphs is still seconds in every new process (dynamo keeps no cache across
-processes). `CompileBehind` takes that off a restart's critical path: the trainer steps eagerly
-from its first batch while a background thread compiles and warms up the same kernels on a
-*shadow* drafter (same shapes, same weight memory), and switches to the compiled step at a step
-boundary once they are ready. Compiled code is found by the code object and guards, not by the
-module instance, so the model itself then compiles nothing more.
+would trigger that one recompile. The second pass takes it here instead.
 """
 from __future__ import annotations
 
@@ -38,32 +34,6 @@ from drafter_trainer.blocks import build_blocks, sample_anchors
 from drafter_trainer.devices import use_device
 from drafter_trainer.loss import auto_blocks_per_chunk, cross_entropy_fn
 from drafter_trainer.model import DFlashDraftModel, resolve_attention
-
-
-def preload_compiler() -> threading.Thread:
-    """Import torch's compiler stack (dynamo, inductor) in a background thread and return it.
-
-    `compile_for` needs those modules, and importing them took 7 s of a restart on the H200
-    host; started first thing, the import runs beside the CUDA and process-group set-up, the
-    endpoints and the connection instead of after them (Python's per-module import locks make a
-    later import in the main thread wait for this one rather than run it twice). Every trainer
-    needs dynamo, compiling or not: torch.optim imports it on an optimizer's first use. While the
-    import runs, the GIL is handed over quickly (BEHIND_SWITCH_INTERVAL_S).
-    """
-    def load() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.config  # noqa: F401
-        except Exception:  # the main thread's own import reports it, with its traceback
-            pass
-        finally:
-            _quick_gil_handover(False)
-
-    _quick_gil_handover(True)
-
-    thread = threading.Thread(target=load, name="preload-compiler", daemon=True)
-    thread.start()
-    return thread
 
 
 WARMUP_DOCS = 4            # documents in the random batch: block masks with several documents

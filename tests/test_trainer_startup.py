@@ -144,8 +144,7 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
             launcher.kill()
 
 
-def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_up(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_build_drafter_reads_the_head_beside_the_build(tmp_path: Path) -> None:
     import torch
 
     from drafter_trainer import train
@@ -154,36 +153,15 @@ def test_build_drafter_warms_up_beside_the_head_read_and_survives_a_failed_warm_
     target = build_tiny_target(str(tmp_path / "t"), num_layers=4,
                                tokenizer_dir=str(REPO / "configs" / "demo" / "tokenizer"))
     cfg = _cfg(target, [0, 1, 3])
-    cfg.data.token_budget, cfg.drafter.max_anchors = 64, 8
     info = expected_target(cfg)
     assert info is not None
-    times: dict[str, float] = {}
-    model, behind = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up="before")
-    assert behind is None
-    assert model.embed_tokens.loaded and model.lm_head.loaded
-    assert times["warmup_s"] > 0 and times["head_s"] > 0
-    assert times["build_head_warmup_s"] >= times["warmup_s"]
-    assert all(p.grad is None for p in model.parameters())
-
-    def broken(*_args: object, **_kwargs: object) -> float:
-        raise RuntimeError("inductor exploded")
-    monkeypatch.setattr(train, "warm_up_kernels", broken)
-    with caplog.at_level("WARNING"):
-        model, _ = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up="before")
-    assert model.lm_head.loaded
-    assert "kernel warm-up failed" in caplog.text and "inductor exploded" in caplog.text
-
-
-def test_the_compiler_stack_is_imported_in_the_background() -> None:
-    probe = ("import sys, time\n"
-             "from drafter_trainer.warmup import preload_compiler\n"
-             "before = 'torch._dynamo' in sys.modules\n"
-             "t = preload_compiler()\n"
-             "t.join(120)\n"
-             "print(before, t.name, 'torch._dynamo' in sys.modules, 'torch._inductor.config' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "preload-compiler", "True", "True"], out.stdout
+    for warm_up in ("behind", "off"):   # on the CPU nothing compiles, so neither has a compile behind
+        times: dict[str, float] = {}
+        model, behind = train.build_drafter(cfg, info, torch.device("cpu"), times, warm_up=warm_up)
+        assert behind is None and not model.compiled
+        assert model.embed_tokens.loaded and model.lm_head.loaded
+        assert times["build_s"] > 0 and times["head_s"] > 0
+        assert times["build_and_head_s"] >= max(times["build_s"], times["head_s"])
 
 
 @pytest.mark.timeout(300)

@@ -741,7 +741,7 @@ def part_services(ctx: Ctx) -> str:
         numbers = {k: figures.get(k) for k in ("warm_first_step_s", "cold_first_step_s", "target_load_s",
                                                "target_warmup_s", "cold_triton_cache", "device",
                                                "cold_compiled_median_step_s")}
-        for mode in ("behind", "before"):   # each warm start-up: first step, compiled from, compiled step time
+        for mode in ("behind",):   # the warm start-up: first step, compiled from, compiled step time
             got = figures.get(f"warm_{mode}") or {}
             numbers.update({f"{mode}_{k}": got.get(k) for k in ("first_step_s", "compiled_after_s",
                                                                 "compiled_median_step_s", "eager_steps")})

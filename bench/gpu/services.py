@@ -63,7 +63,7 @@ class ServicePlan:
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
     step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
-    warm_modes: tuple[str, ...] = ("behind", "before")   # drafter.warm_up of each warm restart, in order
+    warm_modes: tuple[str, ...] = ("behind",)   # drafter.warm_up of each warm restart, in order
     target_devices: list[str] | None = None    # placement; None: [device]
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
