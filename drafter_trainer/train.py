@@ -207,6 +207,16 @@ def same_target(guess: dict[str, Any] | None, announced: dict[str, Any]) -> bool
         return False
 
 
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on at the top of a loop iteration (`Trainer._agree`)."""
+    ranks_with_batch: int
+    stop: bool
+    checkpoint: bool         # requested (ctl checkpoint) or a drain
+    everyone_ended: bool     # every rank has seen the end of every epoch
+    trained_total: int       # batches held by all ranks together: the schedule's progress
+
+
 WELCOME_GRACE_S = 0.5  # a warm target's WELCOME is in by the end of the drafter build; later means it is starting
 PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop, the background compile)
 
@@ -497,7 +507,9 @@ class Trainer:
             self.metrics.write(rec, self.step, {f"train/{k}": rec[k] for k in ("loss", "lr", "tau", "tokens_per_s")})
 
     def train_loop(self) -> int:
-        cfg, ranks, model = self.cfg, self.ranks, self.model
+        """Until every rank has seen the last epoch end (or a stop): take a batch, agree with the
+        other ranks, step, record, evaluate, checkpoint. Returns the process's exit status."""
+        cfg = self.cfg
         ends_seen: set[int] = set()
         loop_start = time.perf_counter()
         while True:
@@ -507,74 +519,96 @@ class Trainer:
             with self.stages.time("wait_batch"):
                 batch = self._next_batch(ends_seen)
             batch_at = time.perf_counter()
-            if batch is None:           # idle (waiting for the target, paused): import and compile now
-                self.optimizer.start_building()
-                if self.behind is not None:
-                    self.behind.start()
-            # agree with the other ranks: [ranks with a batch, stop, checkpoint, ranks past the last epoch,
-            # batches trained since resume]
-            all_ended = len({e for e in ends_seen if e < cfg.train.epochs}) >= cfg.train.epochs
-            sync = ranks.sum_(torch.tensor([batch is not None, self.flags.stop,
-                                            self.flags.checkpoint or self.flags.drain, all_ended,
-                                            len(self.trained) - self.resumed_batches], dtype=torch.float64))
-            n_with_batch, stop, want_ckpt = int(sync[0]), bool(sync[1]), bool(sync[2])
-            everyone_ended, trained_total = int(sync[3]) == ranks.world, self.resumed_batches + int(sync[4])
-            if n_with_batch == 0:
-                if everyone_ended:
-                    self.state = "finished"
-                    return self._finish("end of training")
-                if stop:
-                    return self._finish(self.flags.reason or "stop requested")
-                if want_ckpt:
-                    self.checkpoint("requested")
-                    self.flags.checkpoint = False
-                    if self.flags.drain:
-                        self.state, self.flags.paused = "drained", True
-                if self.feed.state == "failed":
-                    raise RuntimeError(f"feed failed: {self.feed.error}")
-                if self.state == "training" and self.feed.state != "streaming":
-                    self.state = self.feed.state
+            if batch is None:
+                self._compile_now()          # idle (waiting for the target, paused)
+            agreed = self._agree(batch, ends_seen)
+            if agreed.ranks_with_batch == 0:
+                rc = self._idle(agreed)
+                if rc is not None:
+                    return rc
                 continue
             self.state = "training"
 
             # anchors -> blocks -> the step (loss and backward chunk by chunk, all-reduce, clip, AdamW)
             blocks = (self._blocks(batch, anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
                       if batch is not None else None)
-            lr = lr_at(min(1.0, trained_total / self.total_batches), cfg)
+            lr = lr_at(min(1.0, agreed.trained_total / self.total_batches), cfg)
             with self.stages.time("step"):
-                result = train_step(model, self.optimizer, batch, blocks, lr, self.step_settings, ranks)
-            out = result.out
-            if result.applied:
-                self.bad_in_row = 0
-            else:
-                self.skipped_steps += 1
-                self.bad_in_row += 1
-                log.error("step %d skipped: non-finite loss or gradient (seq %s)", self.step,
-                          batch.seq if batch is not None else "-")
+                result = train_step(self.model, self.optimizer, batch, blocks, lr, self.step_settings, self.ranks)
+            self._count_finite(result.applied, batch)
             self.step += 1
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
-                # after the first step: it ran without an importing or tracing thread beside it
-                self.optimizer.start_building()
-                if self.behind is not None:
-                    self.behind.start()
+                self._compile_now()          # after the first step: it ran with no compile thread beside it
             if batch is not None:
-                self._record(batch, out, lr, time.perf_counter() - t0, batch_at - t0)
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and ranks.rank == 0:
+                self._record(batch, result.out, lr, time.perf_counter() - t0, batch_at - t0)
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.ranks.rank == 0:
                 self._eval_and_report()
+            rc = self._after_step(agreed)
+            if rc is not None:
+                return rc
 
-            if self.bad_in_row >= cfg.train.max_bad_steps:
-                self.checkpoint("non-finite steps")
-                log.error("%d non-finite steps in a row: checkpointed and stopping. Lower train.lr or inspect the "
-                          "seqs logged above.", self.bad_in_row)
-                return EXIT_BAD_STEPS
-            if self.step % cfg.train.checkpoint_every == 0 or want_ckpt:
-                self.checkpoint("periodic" if not want_ckpt else "requested")
-                self.flags.checkpoint = False
-            if stop:
-                return self._finish(self.flags.reason or "stop requested")
-            if cfg.train.max_steps and self.step >= cfg.train.max_steps:
-                return self._finish("max_steps reached")
+    def _agree(self, batch: Any, ends_seen: set[int]) -> "Agreement":
+        """One all-reduce of the loop's flags, so that every rank takes the same branch."""
+        epochs = self.cfg.train.epochs
+        all_ended = len({e for e in ends_seen if e < epochs}) >= epochs
+        sync = self.ranks.sum_(torch.tensor([batch is not None, self.flags.stop,
+                                             self.flags.checkpoint or self.flags.drain, all_ended,
+                                             len(self.trained) - self.resumed_batches], dtype=torch.float64))
+        return Agreement(ranks_with_batch=int(sync[0]), stop=bool(sync[1]), checkpoint=bool(sync[2]),
+                         everyone_ended=int(sync[3]) == self.ranks.world,
+                         trained_total=self.resumed_batches + int(sync[4]))
+
+    def _idle(self, agreed: "Agreement") -> int | None:
+        """No rank has a batch: finish, stop, checkpoint (drain) or wait; an exit status to end with."""
+        if agreed.everyone_ended:
+            self.state = "finished"
+            return self._finish("end of training")
+        if agreed.stop:
+            return self._finish(self.flags.reason or "stop requested")
+        if agreed.checkpoint:
+            self.checkpoint("requested")
+            self.flags.checkpoint = False
+            if self.flags.drain:
+                self.state, self.flags.paused = "drained", True
+        if self.feed.state == "failed":
+            raise RuntimeError(f"feed failed: {self.feed.error}")
+        if self.state == "training" and self.feed.state != "streaming":
+            self.state = self.feed.state
+        return None
+
+    def _count_finite(self, applied: bool, batch: Any) -> None:
+        if applied:
+            self.bad_in_row = 0
+            return
+        self.skipped_steps += 1
+        self.bad_in_row += 1
+        log.error("step %d skipped: non-finite loss or gradient (seq %s)", self.step,
+                  batch.seq if batch is not None else "-")
+
+    def _after_step(self, agreed: "Agreement") -> int | None:
+        """Checkpoint when due; an exit status when the loop ends here (non-finite steps, a stop,
+        max_steps)."""
+        t = self.cfg.train
+        if self.bad_in_row >= t.max_bad_steps:
+            self.checkpoint("non-finite steps")
+            log.error("%d non-finite steps in a row: checkpointed and stopping. Lower train.lr or inspect the "
+                      "seqs logged above.", self.bad_in_row)
+            return EXIT_BAD_STEPS
+        if self.step % t.checkpoint_every == 0 or agreed.checkpoint:
+            self.checkpoint("requested" if agreed.checkpoint else "periodic")
+            self.flags.checkpoint = False
+        if agreed.stop:
+            return self._finish(self.flags.reason or "stop requested")
+        if t.max_steps and self.step >= t.max_steps:
+            return self._finish("max_steps reached")
+        return None
+
+    def _compile_now(self) -> None:
+        """Let the optimizer's builder and the background compile start (both idempotent)."""
+        self.optimizer.start_building()
+        if self.behind is not None:
+            self.behind.start()
 
     # ---- held-out eval ---------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any] | None:
