@@ -412,13 +412,21 @@ class Trainer:
         self.total_batches = max(1, sum(welcome.epoch_sizes))
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
-        if built is None or not same_target(guess, welcome.target):
+        self._take_drafter(built, guess, welcome.target)
+        self.state = "training"
+
+    def _take_drafter(self, built: tuple[DFlashDraftModel, CompileBehind | None] | None,
+                      guess: dict[str, Any] | None, target: dict[str, Any]) -> None:
+        """The drafter built while connecting (or built now, for the target the server runs), with
+        the checkpoint's weights, RNG and optimizer state restored, and rank 0's metrics sink."""
+        cfg = self.cfg
+        if built is None or not same_target(guess, target):
             if built is not None:
                 log.info("the target server runs %s layers %s, not the configured %s layers %s: rebuilding the "
-                         "drafter", welcome.target.get("model_path"), welcome.target.get("layer_ids"),
+                         "drafter", target.get("model_path"), target.get("layer_ids"),
                          guess["model_path"], guess["layer_ids"])
                 del built     # a background compile of it runs out on its own and is never switched to
-            built = build_drafter(cfg, welcome.target, self.device, self.startup)
+            built = build_drafter(cfg, target, self.device, self.startup)
         t0 = time.perf_counter()
         self.model, self.behind = built
         self.compile_state = {"state": "compiling" if self.behind else "compiled" if self.model.compiled else "eager"}
@@ -440,7 +448,6 @@ class Trainer:
         if self.ranks.rank == 0:
             self.metrics = MetricsSink(self.out_dir, cfg.train.tensorboard, cfg.train.wandb_project, cfg.to_dict())
         self.startup["optimizer_and_outputs_s"] = time.perf_counter() - t0
-        self.state = "training"
 
     def _new_plan(self, served: dict[str, Any]) -> None:
         """The target serves another data plan than the checkpoint's `have` counts batches of: the
