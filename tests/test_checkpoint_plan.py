@@ -4,6 +4,7 @@ hashed the same in every process; on the wire it is validated; checkpoints recor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_the_same_plan_has_the_same_fingerprint_in_another_process() -> None:
             "meta, lengths = json.loads(sys.argv[1]); "
             "print(json.dumps(data_plan(SimpleNamespace(meta=meta), Packer(np.asarray(lengths), 512, 0))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([META, LENGTHS])], capture_output=True, text=True,
-                         timeout=120, cwd=REPO, env={"PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"})
+                         timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"})
     assert out.returncode == 0, out.stderr
     here = _plan()
     assert json.loads(out.stdout) == here and len(here["id"]) == PLAN_ID_LEN

@@ -222,7 +222,10 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
 
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "demo-run"
-    res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}"],
+    sockets = tmp_path / "s"   # not the demo's /tmp/dfpipe-demo: another user's run may own that folder (0700)
+    res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
+                          "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
+                          "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "samples trained      2000 of 2000 (duplicated: 0)" in res.stdout
