@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import random
@@ -263,14 +262,6 @@ def done_indices(path: str) -> set[int]:
     return done
 
 
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_meta(out: str, meta: dict[str, Any]) -> None:
     """Write `<out>.meta.json`, or, when resuming, refuse settings that would mix two kinds of responses."""
     path = meta_path(out)
@@ -379,7 +370,8 @@ async def run(input_path: str, out: str, s: Settings, concurrency: int = 8, retr
                                   timeout=httpx2.Timeout(s.timeout_s, connect=min(30.0, s.timeout_s))) as client:
         if not s.model:
             s.model = await resolve_model(client)
-        check_meta(out, {"input": os.path.abspath(input_path), "input_sha256": file_digest(input_path),
+        from target_server.data import file_sha256
+        check_meta(out, {"input": os.path.abspath(input_path), "input_sha256": file_sha256(input_path),
                          **s.content_key()})
         if retry_failed and os.path.exists(failed_path(out)):
             os.remove(failed_path(out))  # its rows are in neither file now, so this run does them again

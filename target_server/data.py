@@ -361,7 +361,7 @@ class _ArrayWriter:
         os.unlink(self.path + ".raw")
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -375,7 +375,7 @@ def tokenizer_digest(tokenizer_dir: str) -> str:
     for name in TOKENIZER_FILES:
         path = os.path.join(tokenizer_dir, name)
         if os.path.isfile(path):
-            h.update(name.encode() + b"\0" + _file_sha256(path).encode())
+            h.update(name.encode() + b"\0" + file_sha256(path).encode())
     return h.hexdigest()
 
 
@@ -592,7 +592,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     specials = _special_tokens(tokenizer)
     control_tokens = _control_token_pattern(specials)
     renderer = _Renderer(tokenizer, template, kwargs, tuple(specials))
-    source_sha256 = _file_sha256(source_path)
+    source_sha256 = file_sha256(source_path)
     fmt = None if row_format == "auto" else row_format
 
     tmp = _prepare_out_dir(out_dir)
@@ -789,7 +789,7 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     tokenizer_dir = _tokenizer_for(cfg, source)
     template = template_setting(cfg)
     template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
-    inputs = [FORMAT_VERSION, _file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
+    inputs = [FORMAT_VERSION, file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
               hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs]
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]
