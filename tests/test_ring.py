@@ -1,6 +1,7 @@
 """The slot ring's contract: layout, state machine, fencing, liveness, space errors, idle waiting."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -338,30 +341,32 @@ def test_ring_refuses_to_run_where_store_ordering_is_not_tso(shm_dir: str, ring_
         ProducerRing.create(shm_dir, ring_name, 0, slot_count=1, slot_size=MiB, cuda_register="off")
 
 
-def _mount_tmpfs(path: str, size: str) -> bool:
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                          capture_output=True).returncode == 0
+@contextlib.contextmanager
+def _small_shm(tmp_path: Any, size: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A folder with `size` of room: a real tmpfs when root may mount one; otherwise the
+    allocation itself reports ENOSPC (`monkeypatch.undo()` then gives the room back)."""
+    small = os.path.join(str(tmp_path), "small-shm")
+    os.mkdir(small)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", small], capture_output=True).returncode == 0
+    if not mounted:
+        monkeypatch.setattr(ring_mod, "_check_space", lambda *a: None)
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    try:
+        yield small
+    finally:
+        if mounted:
+            subprocess.run(["umount", small], check=True)
 
 
 def test_too_small_shm_dir_raises_ring_space_error_and_leaves_no_file(
         tmp_path: pytest.TempPathFactory, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    small = os.path.join(str(tmp_path), "small-shm")
-    os.mkdir(small)
-    mounted = _mount_tmpfs(small, "1m")
-    try:
-        if not mounted:  # no CAP_SYS_ADMIN: make the allocation itself report ENOSPC
-            monkeypatch.setattr(ring_mod, "_check_space", lambda *a: None)
-            monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
-                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    with _small_shm(tmp_path, "1m", monkeypatch) as small:
         with pytest.raises(RingSpaceError, match=r"needs \d+ bytes .* \d+ bytes are available"):
             ProducerRing.create(small, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
         assert os.listdir(small) == [], "a failed creation leaves no ring file and no lock file"
         assert not RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
-    finally:
-        if mounted:
-            subprocess.run(["umount", small], check=True)
 
 
 def test_enospc_from_posix_fallocate_is_a_space_error_with_no_file_left(
@@ -380,14 +385,7 @@ def test_a_role_taken_ahead_is_refused_to_a_second_producer_and_a_failed_create_
         tmp_path: pytest.TempPathFactory, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A real 8 MiB tmpfs when root may mount one (room for a 1-slot ring, not a 4-slot one);
     # otherwise the allocation itself reports ENOSPC
-    small = os.path.join(str(tmp_path), "small-shm")
-    os.mkdir(small)
-    mounted = _mount_tmpfs(small, "8m")
-    try:
-        if not mounted:
-            monkeypatch.setattr(ring_mod, "_check_space", lambda *a: None)
-            monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
-                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    with _small_shm(tmp_path, "8m", monkeypatch) as small:
         role = ProducerRing.take_role(small, ring_name, 0)
         assert RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
         code = ("import sys; from common.ring import ProducerRing; "
@@ -400,9 +398,6 @@ def test_a_role_taken_ahead_is_refused_to_a_second_producer_and_a_failed_create_
         monkeypatch.undo()
         ProducerRing.create(small, ring_name, 0, slot_count=1, slot_size=MiB, cuda_register="off").close()
         assert os.listdir(small) == []
-    finally:
-        if mounted:
-            subprocess.run(["umount", small], check=True)
 
 
 def test_a_failure_after_the_file_is_made_leaves_no_ring_and_no_lock_file(
