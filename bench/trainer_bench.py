@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.batch import PackedBatch, check_batch, document_positions  # noqa: E402
 from drafter_trainer.blocks import AttentionLayout, anchor_seed, build_blocks, sample_anchors  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
-from drafter_trainer.optim import trainer_adamw  # noqa: E402
+from drafter_trainer.optim import build_adamw  # noqa: E402
 from drafter_trainer.step import Ranks, StepSettings, train_step  # noqa: E402
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 
@@ -161,7 +161,7 @@ def run_variant(args: argparse.Namespace, cfg: DFlashConfig, batch: PackedBatch,
                           torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02)
     model.checkpoint_layers = args.checkpoint_layers
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = trainer_adamw(params, TrainConfig(), device, build_in_background=False)
+    opt = build_adamw(params, TrainConfig(), device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     settings = StepSettings(loss_chunk=args.chunk, blocks_per_chunk=args.blocks_per_chunk,
                             compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)

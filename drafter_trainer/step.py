@@ -28,6 +28,7 @@ from common.config import Config
 from .blocks import BlockBatch
 from .loss import LossOutput, dflash_loss
 from .model import DFlashDraftModel
+from .optim import set_lr
 
 
 class Ranks:
@@ -121,7 +122,7 @@ class StepResult:
 
 def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | None, blocks: BlockBatch | None,
                lr: float, settings: StepSettings, ranks: Ranks) -> StepResult:
-    """One optimizer step; `optimizer` has `params`, `step(lr)` and `zero_grad()` (optim.TrainerAdamW).
+    """One optimizer step of `optimizer` (torch's AdamW over the trainable weights, optim.build_adamw).
 
     A non-finite loss or gradient on any rank skips the update on every rank (applied=False) and
     leaves the weights as they were; the caller counts it.
@@ -136,12 +137,13 @@ def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | Non
             out = dflash_loss(model, batch, blocks, settings.loss_chunk,
                               weight_norm=global_w.to(device, torch.float32),
                               blocks_per_chunk=settings.blocks_per_chunk, backward=True)
-    params = optimizer.params
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     allreduce_grads(ranks, params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip) if params else torch.zeros(())
     ok = bool(torch.isfinite(grad_norm)) and (out is None or bool(torch.isfinite(out.loss)))
     applied = float(ranks.sum_(torch.tensor([float(ok)]))) == ranks.world
     if applied:
-        optimizer.step(lr)
-    optimizer.zero_grad()
+        set_lr(optimizer, lr)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return StepResult(out=out, applied=applied)

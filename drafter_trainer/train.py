@@ -56,7 +56,7 @@ from .feed import EpochEndMarker, RingFeed
 from .loss import dflash_loss, implied_acceptance_length
 from .metrics_sink import MetricsSink
 from .model import DFlashConfig, DFlashDraftModel
-from .optim import TrainerAdamW, trainer_adamw
+from .optim import build_adamw, preimport_dynamo
 from .step import Ranks, StepSettings, train_step
 from .target_head import TargetHead, read_target_head, text_config
 from .warmup import CompileBehind, compiling_in_background, needs_compiling
@@ -256,7 +256,7 @@ class Trainer:
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
         self.behind: CompileBehind | None = None       # the kernels compiling beside the first steps
-        self.optimizer: TrainerAdamW | None = None
+        self.optimizer: torch.optim.AdamW | None = None
         self.compile_state: dict[str, Any] = {"state": "building"}   # -> eager | compiling -> compiled | failed
 
     # status is read by the control thread: only plain values
@@ -438,10 +438,7 @@ class Trainer:
             if missing.unexpected_keys:
                 raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
             torch.set_rng_state(st["rng"]["torch"])
-        # torch.optim imports dynamo, seconds on the H200 host: the first steps run torch's AdamW
-        # update without it while the optimizer object is built beside them (optim.py).
-        self.optimizer = trainer_adamw(params, cfg.train, self.device, st["optimizer"] if st else None,
-                                       defer_build=True)   # started after the first step, or when idle
+        self.optimizer = build_adamw(params, cfg.train, self.device, st["optimizer"] if st else None)
         self.step_settings = StepSettings.from_config(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
@@ -612,8 +609,7 @@ class Trainer:
         return None
 
     def _compile_now(self) -> None:
-        """Let the optimizer's builder and the background compile start (both idempotent)."""
-        self.optimizer.start_building()
+        """Let the background compile start (idempotent)."""
         if self.behind is not None:
             self.behind.start()
 
@@ -713,6 +709,7 @@ class Trainer:
 def main(cfg: Config) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s trainer[{os.environ.get('RANK', '0')}] %(levelname)s %(message)s")
+    preimport_dynamo()   # torch.optim needs it (seconds): imported beside the I/O of starting up
     trainer = Trainer(cfg)
 
     def _on_term(signum, _frame) -> None:

@@ -47,12 +47,11 @@ class DrafterRig:
             * 0.02)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         from common.config import TrainConfig
-        from drafter_trainer.optim import trainer_adamw
+        from drafter_trainer.optim import build_adamw
 
         train_cfg = TrainConfig()
         self.lr = train_cfg.lr
-        # the trainer's optimizer past its hand-over: torch's fused AdamW
-        self.optimizer = trainer_adamw(self.params, train_cfg, device, build_in_background=False)
+        self.optimizer = build_adamw(self.params, train_cfg, device)   # the trainer's: torch's AdamW, fused on CUDA
         self.gamma = default_gamma(block)
         from drafter_trainer.step import Ranks, StepSettings
 

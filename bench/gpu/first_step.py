@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.profile, "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         phases.update(memory())
-        phases["handed_over"] = rig.optimizer.handed_over
         steps.append(phases)
         print(f"step {i + 1}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                             for k, v in phases.items()), flush=True)
