@@ -33,6 +33,7 @@ from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, rea
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTN_IMPLS = ("auto", "split", "sdpa", "flex")
 COMPILE_MODES = ("auto", "off", "on")
+LAYER_COMPILE_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}   # inductor's, for every compiled layer
 
 
 class DrafterConfigError(ValueError):
@@ -485,7 +486,7 @@ class DFlashDraftModel(nn.Module):
             _layer_split_attention = torch.compiler.disable(split_attention_of)
         for module in (self.hidden_norm, *self.layers, self.norm):
             if on:
-                module.compile(dynamic=True, options={"emulate_precision_casts": True})
+                module.compile(dynamic=True, options=dict(LAYER_COMPILE_OPTIONS))
             else:
                 module._compiled_call_impl = None      # what Module.compile set; eager again
         self.compiled = on
@@ -517,9 +518,12 @@ class DFlashDraftModel(nn.Module):
     def check_token_ids(self, ids: torch.Tensor, what: str) -> None:
         """Refuse ids outside the embedding: on CUDA an out-of-range lookup is a device assert
         that kills the process instead of skipping one batch."""
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ContextError(f"{what}: token ids in [{int(ids.min())}, {int(ids.max())}] outside "
-                               f"the {self.config.vocab_size}-token vocabulary")
+        if not ids.numel():
+            return
+        low, high = torch.stack(torch.aminmax(ids)).tolist()   # one device read, not two
+        if low < 0 or high >= self.config.vocab_size:
+            raise ContextError(f"{what}: token ids in [{low}, {high}] outside the {self.config.vocab_size}-token "
+                               "vocabulary")
 
     def fc_project(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[k, T, H] captured planes -> [T, H] = fc(concat of the planes), concatenated or split."""

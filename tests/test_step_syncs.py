@@ -1,0 +1,54 @@
+"""Host syncs of the training step on CUDA (torch.cuda.set_sync_debug_mode): a fixed few per step
+(the weight sum all ranks share, the input checks, the loss rows and chunk bounds read once per
+batch, the finite check), none per chunk of blocks. A sync per chunk would stall the device while
+the host prepares every next chunk, and at the published density a batch has dozens of chunks."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from drafter_trainer.blocks import build_blocks, sample_anchors
+from drafter_trainer.optim import build_adamw
+from drafter_trainer.step import Ranks, StepSettings, train_step
+from common.config import TrainConfig
+from test_drafter_model import MASK, make_batch, make_model, tiny_config
+
+# weight sum (.cpu), check_context (any), check_token_ids (aminmax), loss rows (nonzero + bounds),
+# chunk bounds, anchor count, finite check (grad norm, loss)
+SYNCS_PER_STEP = 9
+
+
+def count_syncs(per_chunk: int) -> tuple[int, int, list[str]]:
+    torch.manual_seed(0)
+    model = make_model(tiny_config(), attn_impl="auto").cuda()
+    batch = make_batch([40, 70, 25, 90], seed=1).to("cuda")
+    anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), 512, torch.Generator().manual_seed(0))
+    blocks = build_blocks(batch, anchors.cuda(), model.config.block_size, MASK, 7.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_adamw(params, TrainConfig(), torch.device("cuda"))
+    settings = StepSettings(loss_chunk=64, blocks_per_chunk=per_chunk, compute_dtype=torch.bfloat16)
+    ranks = Ranks("cuda")
+    train_step(model, opt, batch, blocks, 1e-4, settings, ranks)     # compiles flex: not counted
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = train_step(model, opt, batch, blocks, 1e-4, settings, ranks)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert result.applied
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    chunks = -(-blocks.num_blocks // per_chunk)
+    return len(syncs), chunks, syncs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host syncs are a device matter")
+def test_cuda_step_syncs_a_fixed_few_times_none_per_chunk():
+    few, few_chunks, _ = count_syncs(per_chunk=64)
+    many, many_chunks, where = count_syncs(per_chunk=8)
+    assert many_chunks >= 4 * few_chunks > 4
+    assert many == few, f"syncs grow with the chunks: {few} with {few_chunks} chunks, {many} with {many_chunks}: {where}"
+    assert many <= SYNCS_PER_STEP, where
