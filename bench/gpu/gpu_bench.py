@@ -68,6 +68,7 @@ FULL: dict[str, Any] = dict(
     scale_gpus=0, scale_batches=8, real_layers_computed=62, placements="", drafter_attn="",
     firstpass_batches=4,   # p23: fresh batches per attention variant, each timed on its first and second pass
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
+    layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
 )
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
@@ -441,6 +442,9 @@ def part_p5d(ctx: Ctx) -> str:
     dev = ctx.device
     manifest = fixtures.read_manifest(ctx.workdir)
     peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
+    if a.layer_compile_options:
+        from drafter_trainer import model as drafter_model
+        drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
                      attn=a.drafter_attn or "auto", compile_mode="auto")
     from drafter_trainer.model import resolve_attention
@@ -449,6 +453,7 @@ def part_p5d(ctx: Ctx) -> str:
     anchors = [blocks.num_blocks for _, blocks in work]
     tokens = [batch.num_tokens for batch, _ in work]
     numbers: dict[str, Any] = {"anchors_per_doc_max": a.anchors, "batches": len(work),
+                               "layer_compile_options": a.layer_compile_options,
                                "anchors_per_batch": float(np.mean(anchors)), "tokens_per_batch": float(np.mean(tokens)),
                                "docs_per_batch": float(np.mean([int(b.doc_lens.numel()) for b, _ in work])),
                                "matmul_peak_tflops": peak, "attn": rig.model.attn_impl, "compiled": rig.model.compiled,
@@ -473,6 +478,7 @@ def part_p5d(ctx: Ctx) -> str:
         flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, per) for b, bl in steps]
         total_s = sum(times)
         v = {"blocks_per_chunk": per, "step_s": float(np.median(times)), "step_s_all": times,
+             "anchors_s": sum(bl.num_blocks for _, bl in steps) / total_s,
              "first_steps_s": time.perf_counter() - t0 - total_s,
              "tok_s": sum(b.num_tokens for b, _ in steps) / total_s,
              "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
@@ -502,7 +508,8 @@ def part_p5d(ctx: Ctx) -> str:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
-    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
+    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
+                      drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
                       drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best)
     print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
     return "measured"
@@ -750,17 +757,25 @@ def part_services(ctx: Ctx) -> str:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
     parts = ctx.store.read()["parts"]
     target_alone = parts.get("p23", {}).get("figures", {}).get("target_alone_tok_s")
-    drafter_alone = parts.get("p5d", {}).get("figures", {}).get("drafter_alone_tok_s")
+    p5d = parts.get("p5d", {}).get("figures", {})
+    drafter_alone, drafter_anchors_s = p5d.get("drafter_alone_tok_s"), p5d.get("drafter_alone_anchors_s")
     together = figures.get("together_tok_s")
     numbers = {"together_tok_s": together, "target_alone_tok_s": target_alone, "drafter_alone_tok_s": drafter_alone,
-               "together_steps": figures.get("together_steps"),
-               "together_mean_step_s": figures.get("together_mean_step_s")}
-    if together and target_alone and drafter_alone:
-        ideal = 1.0 / (1.0 / target_alone + 1.0 / drafter_alone)
-        numbers["ideal_tok_s"] = ideal
+               "drafter_alone_anchors_s": drafter_anchors_s, "together_steps": figures.get("together_steps"),
+               "together_mean_step_s": figures.get("together_mean_step_s"),
+               "together_tokens": figures.get("together_tokens"), "together_anchors": figures.get("together_anchors")}
+    if together and target_alone and drafter_alone and drafter_anchors_s and figures.get("together_anchors"):
+        # The ideal priced on the window's own batches: each costs its tokens at the target's rate
+        # plus its anchors at the drafter's (a batch's drafter step grows with its anchors, 3,000 to
+        # 10,000 a batch here, so a token rate from other batches would price a short window's mix
+        # wrongly). together / ideal = ideal seconds of those batches / the seconds they took.
+        ideal_s = figures["together_tokens"] / target_alone + figures["together_anchors"] / drafter_anchors_s
+        ideal = figures["together_tokens"] / ideal_s
+        numbers.update(ideal_tok_s=ideal, ideal_tok_s_token_priced=1.0 / (1.0 / target_alone + 1.0 / drafter_alone))
         ctx.store.benchmark("P6d", {"together_over_ideal": together / ideal}, numbers)
     else:
-        missing = [k for k in ("together_tok_s", "target_alone_tok_s", "drafter_alone_tok_s") if not numbers[k]]
+        missing = [k for k in ("together_tok_s", "target_alone_tok_s", "drafter_alone_tok_s", "drafter_alone_anchors_s",
+                               "together_anchors") if not numbers[k]]
         ctx.store.benchmark_error("P6d", error or f"missing {', '.join(missing)}", numbers)
     print(json.dumps({k: v for k, v in figures.items() if not k.endswith("_stages")}, indent=1, default=str))
     if error:

@@ -271,9 +271,13 @@ def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler
     """Trained and produced rates over the window after `skip` steps; together = the lesser."""
     trained, seconds, steps = together_rate(rows, skip)
     produced = sampler.rate(rows[skip]["time"], rows[-1]["time"])
+    window = rows[skip + 1:]
     return {"together_tok_s": min(trained, produced) if produced else trained, "trained_tok_s": trained,
             "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
-            "together_mean_step_s": sum(r["step_s"] for r in rows[skip + 1:]) / steps}
+            "together_mean_step_s": sum(r["step_s"] for r in window) / steps,
+            # what the window's own batches hold: the ideal is priced per batch (see part_services)
+            "together_tokens": sum(step_tokens(r) for r in window),
+            "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
 
 
 def wait_compiled(children: Children, name: str, endpoint: str, timeout_s: float) -> tuple[dict[str, Any], float]:
