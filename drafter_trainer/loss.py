@@ -193,6 +193,52 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     Raises ContextError for a batch that must be skipped (wrong layers, zero or non-finite
     states, token ids outside the vocabulary).
     """
+    target_hidden = _checked_context(model, batch, blocks, chunk, layer_ids)
+    b = blocks.block_size
+    device = target_hidden.device
+    weight_sum = blocks.weights.sum()
+    norm = weight_norm if weight_norm is not None else weight_sum
+    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+    backward = backward and torch.is_grad_enabled()
+
+    context_kv = model.context_kv(target_hidden, blocks.context_positions)
+    # With backward: leaves the chunks' backward passes sum their gradients into, in fp32 (bf16
+    # partial sums over many chunks would round where one backward over all blocks does not).
+    leaves = [tuple(t.detach().float().requires_grad_() for t in kv) for kv in context_kv] if backward else None
+    ce_sum = torch.zeros((), dtype=torch.float32, device=device)
+    correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
+    count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
+    per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
+    chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
+    for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
+        # in the context side's own dtype (bf16 under autocast): the layers see what they see
+        # unchunked, and the casts' backward hands fp32 gradients to the leaves
+        kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype))
+              for (k, v), (ck, cv) in zip(leaves or context_kv, context_kv)]
+        rows = chunk_rows[i]
+        part_ce, correct = _chunk_ce(model, part, kv, rows, chunk)
+        if backward:
+            (part_ce / norm).backward()
+            part_ce = part_ce.detach()
+        ce_sum = ce_sum + part_ce
+        position = rows % b
+        correct_per_pos.index_add_(0, position, correct.to(torch.float32))
+        count_per_pos.index_add_(0, position, torch.ones_like(position, dtype=torch.float32))   # bincount syncs
+        del kv
+    if leaves is not None:
+        pairs = [(t, leaf.grad) for kv, kv_leaves in zip(context_kv, leaves)
+                 for t, leaf in zip(kv, kv_leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+    return LossOutput(loss=ce_sum / norm, ce_sum=ce_sum.detach(), weight_sum=weight_sum.detach(),
+                      correct_per_pos=correct_per_pos, count_per_pos=count_per_pos,
+                      num_anchors=int(blocks.valid.sum()))
+
+
+def _checked_context(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
+                     layer_ids: list[int] | None) -> torch.Tensor:
+    """The batch's captured planes, refused when they cannot be trained on (ContextError), in the
+    fc's dtype unless autocast casts them."""
     if chunk < 1:
         raise ValueError(f"loss chunk must be >= 1 row, got {chunk}")
     if not model.lm_head.loaded:
@@ -204,64 +250,22 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     target_hidden = batch.hidden
     if target_hidden.shape[1] != blocks.num_context:
         raise ContextError(f"blocks describe {blocks.num_context} context tokens, the batch has {target_hidden.shape[1]}")
-    dtype = model.fc.weight.dtype
     if not torch.is_autocast_enabled(target_hidden.device.type):
-        target_hidden = target_hidden.to(dtype)
-    b = blocks.block_size
-    device = target_hidden.device
-    weight_sum = blocks.weights.sum()
-    norm = weight_norm if weight_norm is not None else weight_sum
-    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-    backward = backward and torch.is_grad_enabled()
+        target_hidden = target_hidden.to(model.fc.weight.dtype)
+    return target_hidden
 
-    context_kv = model.context_kv(target_hidden, blocks.context_positions)
-    if backward:
-        # Leaves the chunks' backward passes sum their gradients into, in fp32 (bf16 partial sums
-        # over many chunks would round where one backward over all blocks does not).
-        leaves = [tuple(t.detach().float().requires_grad_() for t in kv) for kv in context_kv]
-        feed = leaves
-    else:
-        feed = context_kv
-    ce_sum = torch.zeros((), dtype=torch.float32, device=device)
-    correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
-    count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
-    per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
-    chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
-    for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
-        n = part.num_blocks
-        noise_embedding = model.embed(part.block_input_ids.reshape(n * b)).to(dtype)
-        # in the context side's own dtype (bf16 under autocast): the layers see what they see
-        # unchunked, and the casts' backward hands fp32 gradients to the leaves
-        kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype)) for (k, v), (ck, cv) in zip(feed, context_kv)]
-        hidden = model.decode_blocks(noise_embedding, kv, part)
-        weights = part.weights.reshape(-1)
-        rows = chunk_rows[i]
-        # With no rows at all the (empty) selection still links every parameter into the graph, so
-        # backward gives them zero gradients and DDP's reduction stays in step across ranks.
-        part_ce, correct = _ChunkedLinearCrossEntropy.apply(
-            hidden[rows], model.lm_head.weight, part.labels.reshape(-1)[rows], weights[rows],
-            chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
-        if backward:
-            (part_ce / norm).backward()
-            part_ce = part_ce.detach()
-        ce_sum = ce_sum + part_ce
-        position = rows % b
-        correct_per_pos.index_add_(0, position, correct.to(torch.float32))
-        count_per_pos.index_add_(0, position, torch.ones_like(position, dtype=torch.float32))   # bincount syncs
-        del hidden, noise_embedding, kv
-    if backward:
-        pairs = [(t, leaf.grad) for kv, kv_leaves in zip(context_kv, leaves)
-                 for t, leaf in zip(kv, kv_leaves) if leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
-    return LossOutput(
-        loss=ce_sum / norm,
-        ce_sum=ce_sum.detach(),
-        weight_sum=weight_sum.detach(),
-        correct_per_pos=correct_per_pos,
-        count_per_pos=count_per_pos,
-        num_anchors=int(blocks.valid.sum()),
-    )
+
+def _chunk_ce(model: DFlashDraftModel, part: BlockBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
+              rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of blocks through the layers and the head: its weighted CE sum and per-row hits."""
+    n, b = part.num_blocks, part.block_size
+    noise_embedding = model.embed(part.block_input_ids.reshape(n * b)).to(model.fc.weight.dtype)
+    hidden = model.decode_blocks(noise_embedding, kv, part)
+    # With no rows at all the (empty) selection still links every parameter into the graph, so
+    # backward gives them zero gradients and DDP's reduction stays in step across ranks.
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden[rows], model.lm_head.weight, part.labels.reshape(-1)[rows], part.weights.reshape(-1)[rows],
+        chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
 
 
 def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor]:
