@@ -79,7 +79,8 @@ QUICK: dict[str, Any] = dict(
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
-              "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py")
+              "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
+              "tests/test_step_syncs.py")
 GPU_TEST_FILTER = "gpu or cuda"   # test names and the gpu marker (substring match: not "fla", which matches "dflash")
 EXPECTED_SKIPS = ("checks the behaviour without CUDA",   # test_ring's CPU-only check, skipped on a GPU host
                   "two CUDA ranks need two GPUs")          # test_e2e_trainer's two ranks, on a one-GPU host
