@@ -1,8 +1,8 @@
 """One config object for both services, loaded from YAML with strict checking.
 
 Every knob lives here with its default. Both services read the same file: the target server uses
-`ring`, `data`, `target`, `service`; the trainer uses `drafter`, `train`, `service` and learns the
-target's shape from the server's WELCOME. Unknown keys and wrong types are errors, not warnings:
+`ring`, `data`, `target`, `service`, `cluster`; the trainer uses `drafter`, `train`, `service`,
+`cluster` and learns the target's shape from the server's WELCOME. Unknown keys and wrong types are errors, not warnings:
 a typo in a hyper-parameter must not silently train with the default.
 """
 from __future__ import annotations
@@ -126,6 +126,13 @@ class ServiceConfig:
 
 
 @dataclass
+class ClusterConfig:
+    num_hosts: int = 1                  # hosts in the torchrun world, each with its own target server
+    host_rank: int = 0                  # this host's shard of every epoch; set per host (--set, DFPIPE_HOST_RANK
+                                        # in the deployment files): torchrun's node rank is not promised to match
+
+
+@dataclass
 class Config:
     ring: RingConfig = field(default_factory=RingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -133,6 +140,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: str = ""                    # the file it came from; relative paths resolve against it
 
     def to_dict(self) -> dict[str, Any]:
@@ -276,6 +284,10 @@ def validate(cfg: Config) -> Config:
     need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
     need(bool(cfg.service.curve_server_key) == bool(cfg.service.curve_client_key),
          "service.curve_server_key and service.curve_client_key: set both or neither (`dfpipe keys --out DIR`)")
+    need(cfg.cluster.num_hosts >= 1, f"cluster.num_hosts: at least 1 (got {cfg.cluster.num_hosts})")
+    need(0 <= cfg.cluster.host_rank < cfg.cluster.num_hosts,
+         f"cluster.host_rank: {cfg.cluster.host_rank} is not a host of cluster.num_hosts "
+         f"{cfg.cluster.num_hosts} (0 to {cfg.cluster.num_hosts - 1}; set it per host)")
     return cfg
 
 
