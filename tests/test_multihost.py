@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common.cluster import accounting, count_by_host, epoch_ranges, host_shard, plan_shard, restrict
 from common.config import ConfigError, load_config
@@ -115,8 +116,8 @@ def _children(pid: int) -> list[int]:
 
 
 class Host:
-    """One "host": its target server (own ring name and endpoint) and its torchrun agent, both
-    started from the shared config with this host's cluster.host_rank and endpoint."""
+    """One "host": its target server (own ring name and endpoint, from the shared config with this
+    host's cluster.host_rank) and, per test, its torchrun agent."""
 
     def __init__(self, rank: int, config: Path, log_dir: Path) -> None:
         self.rank, self.config, self.log_dir = rank, config, log_dir
@@ -136,16 +137,16 @@ class Host:
         s = ctl(self.endpoint, "status")
         return s if s and s.get("state") == "serving" else None
 
-    def start_trainer(self, rdzv: str, run_id: str) -> None:
-        """`torchrun --nnodes 2 --node-rank H --rdzv-backend c10d ...` (gloo on CPU); it may restart the world."""
+    def start_trainer(self, config: Path, rdzv: str, run_id: str) -> None:
+        """`torchrun --nnodes 2 --node-rank H --rdzv-backend c10d ...` (gloo on CPU), restarting the world on a failure."""
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(HOSTS), "--node-rank", str(self.rank),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", run_id, "--nproc-per-node", "1",
-               "--max-restarts", "3", "-m", "dfpipe", "trainer", "-c", str(self.config)]
+               "--max-restarts", "3", "-m", "dfpipe", "trainer", "-c", str(config)]
         for o in self.overrides:
             cmd += ["--set", o]
         trainer = Service.__new__(Service)
         trainer.role = f"torchrun-h{self.rank}"
-        trainer.log_path = self.log_dir / f"torchrun-h{self.rank}-{time.time_ns()}.log"
+        trainer.log_path = config.parent / f"torchrun-h{self.rank}-{time.time_ns()}.log"
         trainer.proc = subprocess.Popen(cmd, stdout=open(trainer.log_path, "wb"), stderr=subprocess.STDOUT,
                                         start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
         Service.started.append(trainer)
@@ -157,33 +158,48 @@ class Host:
         assert len(kids) == 1, kids
         return kids[0]
 
-    def stop(self) -> None:
-        for svc in (self.trainer, self.target):
-            if svc is not None:
-                svc.stop()
 
-
-@pytest.fixture
-def cluster(tmp_path: Path):
-    """Two hosts, their target servers serving; the trainers are the test's to start."""
-    config = write_config(tmp_path, samples=120, train={"epochs": 4, "checkpoint_every": 3},
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """Two hosts' target servers, serving for the whole module (as they would: long-lived)."""
+    tmp = tmp_path_factory.mktemp("hosts")
+    config = write_config(tmp, samples=120, train={"epochs": 4, "checkpoint_every": 3},
                           cluster={"num_hosts": HOSTS})
-    hosts = [Host(h, config, tmp_path) for h in range(HOSTS)]
+    hosts = [Host(h, config, tmp) for h in range(HOSTS)]
     try:
         for host in hosts:
             host.start_target()
         for host in hosts:
             wait_for(host.serving, 180, f"host {host.rank}'s target serving")
-        yield config, hosts
+        yield hosts
     finally:
         for host in hosts:
-            host.stop()
+            if host.target is not None:
+                host.target.stop()
 
 
-def _train(hosts: list[Host]) -> None:
+@pytest.fixture
+def cluster(servers: list[Host], tmp_path: Path):
+    """This test's run: the servers' config with its own out_dir and trainer control socket."""
+    cfg = load(servers[0].config)
+    cfg["train"]["out_dir"] = str(tmp_path / "run")
+    sock_dir = cfg["service"]["trainer_endpoint"].removeprefix("ipc://").rsplit("/", 1)[0]
+    cfg["service"]["trainer_endpoint"] = f"ipc://{sock_dir}/trainer-{uuid.uuid4().hex[:8]}.sock"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    try:
+        yield config, servers
+    finally:
+        for host in servers:
+            if host.trainer is not None:
+                host.trainer.stop()
+                host.trainer = None
+
+
+def _train(config: Path, hosts: list[Host]) -> None:
     rdzv, run_id = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex[:8]
     for host in hosts:
-        host.start_trainer(rdzv, run_id)
+        host.start_trainer(config, rdzv, run_id)
 
 
 def _finish(hosts: list[Host]) -> None:
@@ -206,14 +222,17 @@ def _check_hosts(config: Path, hosts: list[Host]) -> dict:
 
 def test_two_hosts_train_every_sample_of_every_epoch_once_each_host_its_shard(cluster) -> None:
     config, hosts = cluster
-    _train(hosts)
+    before = [ctl(h.endpoint, "status") for h in hosts]
+    _train(config, hosts)
     _finish(hosts)
     _check_hosts(config, hosts)
-    for host in hosts:
+    for host, was in zip(hosts, before):
         s = ctl(host.endpoint, "status")
         shard = sum(s["cluster"]["shard_sizes"])
-        assert s["batches"]["acked"] == shard and s["batches"]["recomputed"] == 0, s["batches"]
-        assert s["finished"] == 1 and s["refused"] == {}, s
+        # each server delivered its shard once, computed nothing twice, and no HELLO strayed
+        assert s["batches"]["acked"] - was["batches"]["acked"] == shard, s["batches"]
+        assert s["batches"]["recomputed"] == was["batches"]["recomputed"], s["batches"]
+        assert s["finished"] == was["finished"] + 1 and s["refused"] == was["refused"], s
     logs = "".join(h.trainer.log(tail=10_000) for h in hosts)
     assert "trainer[1]" in logs and "trainer[0] INFO exported drafter" in logs
 
@@ -222,7 +241,7 @@ def test_a_killed_trainer_rank_restarts_the_world_from_the_checkpoint_exactly_on
     config, hosts = cluster
     cfg = load(config)
     checkpoints = Path(cfg["train"]["out_dir"]) / "checkpoints"
-    _train(hosts)
+    _train(config, hosts)
     wait_for(lambda: any(checkpoints.glob("step-*")), 120, "a checkpoint", interval=0.05)
     os.kill(hosts[1].trainer_rank_pid(), signal.SIGKILL)   # the rank, not its torchrun agent
     # the restarted world's rank 0 reports each host's progress and the total (`ctl trainer status`)
@@ -243,9 +262,10 @@ def test_a_killed_trainer_rank_restarts_the_world_from_the_checkpoint_exactly_on
 
 def test_a_killed_target_server_is_restarted_and_its_host_resumes_exactly_once(cluster) -> None:
     config, hosts = cluster
-    _train(hosts)
-    wait_for(lambda: (s := ctl(hosts[1].endpoint, "status")) and s["batches"]["acked"] >= 4 and s, 120,
-             "host 1 delivering")
+    acked = ctl(hosts[1].endpoint, "status")["batches"]["acked"]   # the servers outlive every test's trainer
+    _train(config, hosts)
+    wait_for(lambda: (s := ctl(hosts[1].endpoint, "status")) and s["batches"]["acked"] >= acked + 4 and s, 120,
+             "host 1 delivering", interval=0.05)
     hosts[1].target.kill9()
     time.sleep(1.0)   # host 0 trains on (and its shard may run dry: it waits), host 1's ranks wait
     hosts[1].start_target()
