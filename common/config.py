@@ -291,8 +291,20 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+# What differs from host to host when one config file serves them all: environment variable -> key.
+# Applied over the file and under --set (the deployment files set them per host).
+ENV_OVERRIDES = {"DFPIPE_NUM_HOSTS": "cluster.num_hosts", "DFPIPE_HOST_RANK": "cluster.host_rank"}
+
+
+def env_overrides(environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """The `section.key=value` overrides the environment sets (an empty variable sets nothing)."""
+    environ = os.environ if environ is None else environ
+    return [f"{key}={environ[var].strip()}" for var, key in ENV_OVERRIDES.items() if environ.get(var, "").strip()]
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or defaults when path is None), apply `section.key=value` overrides, validate."""
+    """Read YAML (or defaults when path is None), apply the environment's overrides (ENV_OVERRIDES),
+    then the `section.key=value` overrides, validate."""
     data: dict[str, Any] = {}
     if path:
         try:
@@ -304,7 +316,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-    for item in overrides or []:
+    for item in [*env_overrides(), *(overrides or [])]:
         keys, value = _parse_override(item)
         node = data
         for k in keys[:-1]:

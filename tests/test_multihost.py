@@ -95,6 +95,18 @@ def test_cluster_config_defaults_validation_and_per_host_override() -> None:
         load_config(None, ["cluster.host_rank=one"])
 
 
+def test_the_environment_sets_a_hosts_rank_under_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFPIPE_NUM_HOSTS", "3")
+    monkeypatch.setenv("DFPIPE_HOST_RANK", "2")
+    assert (load_config(None).cluster.num_hosts, load_config(None).cluster.host_rank) == (3, 2)
+    assert load_config(None, ["cluster.host_rank=1"]).cluster.host_rank == 1, "--set wins"
+    monkeypatch.setenv("DFPIPE_HOST_RANK", "")   # set but empty (compose's ${VAR:-}): the file's value
+    assert load_config(None).cluster.host_rank == 0
+    monkeypatch.setenv("DFPIPE_HOST_RANK", "3")
+    with pytest.raises(ConfigError, match="cluster.host_rank: 3 is not a host"):
+        load_config(None)
+
+
 # ---- two hosts on this machine -----------------------------------------------------------------
 HOSTS = 2
 # As the deployment files set it: with the rendezvous store shared between restarts (torch's
@@ -273,3 +285,4 @@ def test_a_killed_target_server_is_restarted_and_its_host_resumes_exactly_once(c
     _check_hosts(config, hosts)
     log = hosts[1].trainer.log(tail=10_000)
     assert "waiting" in log or "new target server rings" in log, log
+
