@@ -2,8 +2,8 @@
 
 Every knob lives here with its default. Both services read the same file: the target server uses
 `ring`, `data`, `target`, `service`, `cluster`; the trainer uses `drafter`, `train`, `service`,
-`cluster` and learns the target's shape from the server's WELCOME. Unknown keys and wrong types are errors, not warnings:
-a typo in a hyper-parameter must not silently train with the default.
+`cluster` and learns the target's shape from the server's WELCOME. Unknown keys and wrong types
+are errors, not warnings: a typo in a hyper-parameter must not silently train with the default.
 """
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ class Host:
         return s if s and s.get("state") == "serving" else None
 
     def start_trainer(self, config: Path, rdzv: str, run_id: str) -> None:
-        """`torchrun --nnodes 2 --node-rank H --rdzv-backend c10d ...` (gloo on CPU), restarting the world on a failure."""
+        """`torchrun --nnodes 2 --node-rank H --rdzv-backend c10d ...` (gloo on CPU); a failure restarts the world."""
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(HOSTS), "--node-rank", str(self.rank),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", run_id, "--nproc-per-node", "1",
                "--max-restarts", "3", "-m", "dfpipe", "trainer", "-c", str(config)]
@@ -263,7 +263,8 @@ def test_a_killed_trainer_rank_restarts_the_world_from_the_checkpoint_exactly_on
                       "the restarted world training on both hosts", interval=0.05)
     assert [h["host"] for h in status["cluster"]["hosts"]] == [0, 1]
     assert status["cluster"]["total"]["batches_planned"] == status["batches_planned"]
-    assert status["cluster"]["total"]["batches_trained"] == sum(h["batches_trained"] for h in status["cluster"]["hosts"])
+    per_host = status["cluster"]["hosts"]
+    assert status["cluster"]["total"]["batches_trained"] == sum(h["batches_trained"] for h in per_host)
     _finish(hosts)
     _check_hosts(config, hosts)
     logs = "".join(h.trainer.log(tail=10_000) for h in hosts)
