@@ -458,16 +458,26 @@ class Trainer:
         self.state = "training"
 
     def _check_host(self, target: dict[str, Any]) -> None:
-        """The server serves this host's shard: the same cluster.num_hosts and host_rank. Otherwise
-        this host would train another host's batches (twice) and leave its own untrained."""
+        """The server serves this host's shard (the same cluster.num_hosts and host_rank), and every
+        rank's server serves the same plan and target. Otherwise a host would train another host's
+        batches (twice) and leave its own untrained, or seq s would hold other documents on
+        another host. The gather is collective: every rank calls this once, after its WELCOME."""
         c = self.cfg.cluster
         served = (int(target.get("num_hosts", 1)), int(target.get("host_rank", 0)))
+        mine = {"plan": self.plan["id"], "layer_ids": list(target.get("layer_ids", [])),
+                "hidden_size": target.get("hidden_size"), "vocab_size": target.get("vocab_size")}
+        others = self.ranks.gather_objects((c.host_rank, mine))
         if served != (c.num_hosts, c.host_rank):
             raise PlanChanged(
                 f"the target server at {self.cfg.service.target_endpoint} serves host {served[1]} of {served[0]}, "
                 f"this trainer rank is on host {c.host_rank} of {c.num_hosts} (cluster.host_rank, cluster.num_hosts): "
                 "give the server and the trainer ranks of a host the same cluster settings, and each host's "
                 "ranks their own host's service.target_endpoint")
+        differ = sorted({f"host {h}: {theirs}" for h, theirs in others if theirs != mine})
+        if differ:
+            raise PlanChanged(
+                f"the hosts' target servers serve different data plans or targets (host {c.host_rank}: {mine}; "
+                f"{'; '.join(differ)}): every host needs the same data, target folder and data settings")
 
     def _take_drafter(self, built: tuple[DFlashDraftModel, CompileBehind | None] | None,
                       guess: dict[str, Any] | None, target: dict[str, Any]) -> None:
