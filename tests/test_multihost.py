@@ -21,8 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.channel import DealerChannel
 from common.cluster import accounting, count_by_host, epoch_ranges, host_shard, plan_shard, restrict
 from common.config import ConfigError, load_config
+from common.liveness import self_identity
+from common.protocol import Hello, Reply, new_session_secret, next_rid
 from common.seqset import SeqSet
 from e2e import Service, assert_exactly_once, ctl, load, wait_for, write_config
 from target_server.delivery import EpochPlan, outstanding
@@ -287,3 +290,24 @@ def test_a_killed_target_server_is_restarted_and_its_host_resumes_exactly_once(c
     log = hosts[1].trainer.log(tail=10_000)
     assert "waiting" in log or "new target server rings" in log, log
 
+
+
+def test_a_trainer_at_another_hosts_server_is_refused(cluster) -> None:
+    config, hosts = cluster
+    # HELLO holding host 0's batches, to host 1's server: refused, and the session is not touched
+    chan = DealerChannel(hosts[1].endpoint)
+    try:
+        pid, start = self_identity()
+        chan.send(Hello(rid=next_rid(), job="stray", secret=new_session_secret(), rank=0, world=1, pid=pid,
+                        start_time=start, have=SeqSet([0]), epochs=1, credit=2, heldout=False))
+        reply = wait_for(lambda: chan.recv(timeout_s=0.5), 30, "the server's answer")
+    finally:
+        chan.close()
+    assert isinstance(reply, Reply) and not reply.ok and "outside host 1's shard of 2 hosts" in reply.error, reply
+    assert ctl(hosts[1].endpoint, "status")["refused"].get("out_of_shard", 0) >= 1
+    # a trainer configured as host 0 but pointed at host 1's server stops before training (exit 6)
+    trainer = Service("trainer", config, config.parent,
+                      overrides=["cluster.host_rank=0", f"service.target_endpoint={hosts[1].endpoint}"])
+    assert trainer.wait(120) == 6, trainer.log()
+    assert "serves host 1 of 2, this trainer rank is on host 0 of 2" in trainer.log(tail=10_000)
+    assert not (Path(load(config)["train"]["out_dir"]) / "checkpoints").exists(), "nothing trained, nothing saved"
