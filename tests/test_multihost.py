@@ -130,6 +130,17 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+class Torchrun(Service):
+    """A torchrun agent (and its rank) as a service of the test: its own process group, a log file."""
+
+    def __init__(self, role: str, cmd: list[str], log_dir: Path) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
+        Service.started.append(self)
+
+
 class Host:
     """One "host": its target server (own ring name and endpoint, from the shared config with this
     host's cluster.host_rank) and, per test, its torchrun agent."""
@@ -142,7 +153,7 @@ class Host:
         self.overrides = [f"cluster.host_rank={rank}", f"service.target_endpoint={self.endpoint}"]
         self.ring_name = f"{cfg['ring']['name']}-h{rank}"
         self.target: Service | None = None
-        self.trainer: Service | None = None
+        self.trainer: Torchrun | None = None
 
     def start_target(self) -> None:
         self.target = Service("target-server", self.config, self.log_dir,
@@ -159,13 +170,7 @@ class Host:
                "--max-restarts", "3", "-m", "dfpipe", "trainer", "-c", str(config)]
         for o in self.overrides:
             cmd += ["--set", o]
-        trainer = Service.__new__(Service)
-        trainer.role = f"torchrun-h{self.rank}"
-        trainer.log_path = config.parent / f"torchrun-h{self.rank}-{time.time_ns()}.log"
-        trainer.proc = subprocess.Popen(cmd, stdout=open(trainer.log_path, "wb"), stderr=subprocess.STDOUT,
-                                        start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
-        Service.started.append(trainer)
-        self.trainer = trainer
+        self.trainer = Torchrun(f"torchrun-h{self.rank}", cmd, config.parent)
 
     def trainer_rank_pid(self) -> int:
         """The trainer rank torchrun started on this host (its agent's one child)."""
