@@ -1,9 +1,9 @@
 """One config object for both services, loaded from YAML with strict checking.
 
 Every knob lives here with its default. Both services read the same file: the target server uses
-`ring`, `data`, `target`, `service`; the trainer uses `drafter`, `train`, `service` and learns the
-target's shape from the server's WELCOME. Unknown keys and wrong types are errors, not warnings:
-a typo in a hyper-parameter must not silently train with the default.
+`ring`, `data`, `target`, `service`, `cluster`; the trainer uses `drafter`, `train`, `service`,
+`cluster` and learns the target's shape from the server's WELCOME. Unknown keys and wrong types
+are errors, not warnings: a typo in a hyper-parameter must not silently train with the default.
 """
 from __future__ import annotations
 
@@ -126,6 +126,13 @@ class ServiceConfig:
 
 
 @dataclass
+class ClusterConfig:
+    num_hosts: int = 1                  # hosts in the torchrun world, each with its own target server
+    host_rank: int = 0                  # this host's shard of every epoch; set per host (--set, DFPIPE_HOST_RANK
+                                        # in the deployment files): torchrun's node rank is not promised to match
+
+
+@dataclass
 class Config:
     ring: RingConfig = field(default_factory=RingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -133,6 +140,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: str = ""                    # the file it came from; relative paths resolve against it
 
     def to_dict(self) -> dict[str, Any]:
@@ -276,11 +284,27 @@ def validate(cfg: Config) -> Config:
     need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
     need(bool(cfg.service.curve_server_key) == bool(cfg.service.curve_client_key),
          "service.curve_server_key and service.curve_client_key: set both or neither (`dfpipe keys --out DIR`)")
+    need(cfg.cluster.num_hosts >= 1, f"cluster.num_hosts: at least 1 (got {cfg.cluster.num_hosts})")
+    need(0 <= cfg.cluster.host_rank < cfg.cluster.num_hosts,
+         f"cluster.host_rank: {cfg.cluster.host_rank} is not a host of cluster.num_hosts "
+         f"{cfg.cluster.num_hosts} (0 to {cfg.cluster.num_hosts - 1}; set it per host)")
     return cfg
 
 
+# What differs from host to host when one config file serves them all: environment variable -> key.
+# Applied over the file and under --set (the deployment files set them per host).
+ENV_OVERRIDES = {"DFPIPE_NUM_HOSTS": "cluster.num_hosts", "DFPIPE_HOST_RANK": "cluster.host_rank"}
+
+
+def env_overrides(environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """The `section.key=value` overrides the environment sets (an empty variable sets nothing)."""
+    environ = os.environ if environ is None else environ
+    return [f"{key}={environ[var].strip()}" for var, key in ENV_OVERRIDES.items() if environ.get(var, "").strip()]
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or defaults when path is None), apply `section.key=value` overrides, validate."""
+    """Read YAML (or defaults when path is None), apply the environment's overrides (ENV_OVERRIDES),
+    then the `section.key=value` overrides, validate."""
     data: dict[str, Any] = {}
     if path:
         try:
@@ -292,7 +316,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-    for item in overrides or []:
+    for item in [*env_overrides(), *(overrides or [])]:
         keys, value = _parse_override(item)
         node = data
         for k in keys[:-1]:

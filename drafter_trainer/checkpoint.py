@@ -195,11 +195,11 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def inspect(path: str) -> dict[str, Any]:
     """What `dfpipe inspect` prints: the meta, the accounting of the current epoch and (from
-    checkpoints that carry it) of every epoch before it."""
+    checkpoints that carry it) of every epoch before it and of each host's shard (`cluster`)."""
     meta = read_meta(path)
     have = SeqSet.from_wire(meta["have"])
     out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
-                                "epochs", "config_hash", "skipped_steps", "time") if k in meta}
+                                "epochs", "cluster", "config_hash", "skipped_steps", "time") if k in meta}
     # the data plan its batches are of (None: written before plans were fingerprinted)
     out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"],
                 "plan": meta.get("plan")})

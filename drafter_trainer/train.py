@@ -17,6 +17,12 @@ A checkpoint stores that set (`have`) and the sample ids per epoch; a restarted 
 function of progress (batches held / batches planned), so it survives restarts and a change in
 the number of ranks.
 
+Hosts. With `cluster.num_hosts` > 1 the world spans several hosts, each with its own target
+server serving its shard of every epoch (common/cluster.py); a rank reads only from its host's
+server. The checkpoint (global rank 0) holds the union of every rank's batches, each host's first
+rank commits its host's shard of it to its server, and a restarted rank says HELLO with its
+host's shard. The schedule's progress and the end of training count the whole plan.
+
 Held-out eval. With `train.eval_every` > 0, rank 0's feed also receives the target server's
 held-out batches (never trained on, never counted in `trained`); every `eval_every` steps rank 0
 runs the drafter over them in eval mode with fixed anchors and reports the implied acceptance
@@ -40,6 +46,9 @@ import numpy as np
 import torch
 
 from common.channel import CurveKeys
+from common.cluster import accounting as cluster_accounting
+from common.cluster import count_by_host
+from common.cluster import restrict as restrict_to_host
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
@@ -251,6 +260,10 @@ class Trainer:
         self.t_start = time.time()
         self.epoch_samples = 0
         self.total_batches = 1
+        self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
+        self.hosts = cfg.cluster.num_hosts
+        self.resumed_by_host = [0] * self.hosts     # the checkpoint's batches in each host's shard
+        self.trained_by_host = [0] * self.hosts     # all ranks' batches by host, as of the last agreement
         self.control: TrainerControl | None = None
         self.metrics: MetricsSink | None = None     # rank 0's records (metrics.jsonl, TensorBoard, W&B)
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
@@ -267,6 +280,8 @@ class Trainer:
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
                 "batches_trained": len(self.trained), "batches_planned": self.total_batches,
+                "cluster": {"host_rank": self.cfg.cluster.host_rank,
+                            **cluster_accounting(self.trained_by_host, self.epoch_sizes)},
                 "skipped_steps": self.skipped_steps, "checkpoint_failures": self.checkpoint_failures,
                 "last_checkpoint_error": self.last_checkpoint_error,
                 "metrics_lines_lost": self.metrics.lines_lost if self.metrics else 0, "tokens": self.tokens,
@@ -286,10 +301,14 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
         self.resumed_plan: dict[str, Any] = {}   # the data plan of the checkpoint's `have` ({}: none recorded)
+        path = None
         if self.ranks.rank == 0:
             self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
             sweep_partial(self.out_dir)
-        path = latest_checkpoint(self.out_dir)
+            path = latest_checkpoint(self.out_dir)
+        # rank 0's pick, on every rank: on another host out_dir is a shared filesystem whose listing
+        # may lag behind; every rank must start from the same checkpoint
+        path = self.ranks.broadcast_str(path or "") or None
         if path is None:
             return SeqSet()
         state, meta = load_checkpoint(path)
@@ -299,7 +318,10 @@ class Trainer:
         self.skipped_steps = meta.get("skipped_steps", 0)
         self.trained = SeqSet.from_wire(meta["have"])
         self.resumed_batches = len(self.trained)
-        self.trained_samples = {int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
+        # on rank 0 only: a checkpoint gathers every rank's samples, so a copy on each rank would
+        # count every resumed sample once per rank (duplicated)
+        self.trained_samples = ({int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
+                                if self.ranks.rank == 0 else {})
         self.last_checkpoint = path
         if meta.get("plan"):
             try:
@@ -311,7 +333,15 @@ class Trainer:
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
                         path, meta.get("config_hash"))
         log.info("resuming from %s: step %d, %d batches held", path, self.step, len(self.trained))
-        return self.trained.copy()
+        c = self.cfg.cluster
+        if c.num_hosts == 1:
+            return self.trained.copy()
+        if "epoch_sizes" not in meta and self.trained:
+            raise ValueError(f"{path} records no epoch sizes (written before cluster.num_hosts existed), so this "
+                             f"host's shard of its batches is unknown: resume it with cluster.num_hosts 1 until its "
+                             f"next checkpoint (which records them)")
+        # this host's server delivers only its shard: HELLO says which of those the checkpoint holds
+        return restrict_to_host(self.trained, meta.get("epoch_sizes", []), c.num_hosts, c.host_rank)
 
     def checkpoint(self, reason: str) -> bool:
         """Save (rank 0) and commit; False when the save failed. A failed save costs nothing but
@@ -327,27 +357,35 @@ class Trainer:
                 have.update(SeqSet.from_wire(wire))
                 for e, ids in by_epoch.items():
                     samples.setdefault(int(e), []).extend(ids)
-            if self.ranks.rank != 0:
-                return True
-            samples_np = {e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}
-            trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
-            state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
-                     "drafter_config": dataclasses.asdict(self.model.config), "split_fc": self.cfg.drafter.split_fc,
-                     "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
-            meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason, "plan": self.plan,
-                    "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
-                    "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
-                    "epochs": epoch_stats(samples_np)}
-            try:
-                self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
-                                                       self.cfg.train.keep_checkpoints)
-            except OSError as e:
-                return self._checkpoint_failed(reason, e)
-            self.checkpoint_failures_in_row = 0
-            self.feed.commit(have, self.step)
-            log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
-                     {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
-            return True
+            saved = self._save(reason, have, samples) if self.ranks.rank == 0 else False
+            # every host's first rank tells its own host's server (the others only see their shard)
+            saved = self.ranks.broadcast_str("saved" if saved else "") == "saved"
+            if saved and self.ranks.local_rank == 0:
+                c = self.cfg.cluster
+                self.feed.commit(restrict_to_host(have, self.epoch_sizes, c.num_hosts, c.host_rank), self.step)
+            return saved
+
+    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]]) -> bool:
+        """Rank 0: write the checkpoint of the union `have`; False when the save failed."""
+        samples_np = {e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}
+        trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
+        state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "drafter_config": dataclasses.asdict(self.model.config), "split_fc": self.cfg.drafter.split_fc,
+                 "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
+        meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason, "plan": self.plan,
+                "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
+                "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
+                "epochs": epoch_stats(samples_np), "epoch_sizes": self.epoch_sizes,
+                "cluster": cluster_accounting(count_by_host(have, self.epoch_sizes, self.hosts), self.epoch_sizes)}
+        try:
+            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
+                                                   self.cfg.train.keep_checkpoints)
+        except OSError as e:
+            return self._checkpoint_failed(reason, e)
+        self.checkpoint_failures_in_row = 0
+        log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
+                 {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
+        return True
 
     def _checkpoint_failed(self, reason: str, error: OSError) -> bool:
         self.checkpoint_failures += 1
@@ -409,11 +447,37 @@ class Trainer:
         elif cfg.train.new_plan and self.resumed_plan and not new_plan:
             log.info("train.new_plan is set but the data plan is unchanged (%s): resuming its accounting",
                      self.plan["id"])
-        self.total_batches = max(1, sum(welcome.epoch_sizes))
+        self._check_host(welcome.target)
+        self.epoch_sizes = list(welcome.epoch_sizes)
+        self.total_batches = max(1, sum(welcome.epoch_sizes))   # the whole plan, every host's shard
+        self.resumed_by_host = count_by_host(self.trained, self.epoch_sizes, self.hosts)
+        self.trained_by_host = list(self.resumed_by_host)
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
         self._take_drafter(built, guess, welcome.target)
         self.state = "training"
+
+    def _check_host(self, target: dict[str, Any]) -> None:
+        """The server serves this host's shard (the same cluster.num_hosts and host_rank), and every
+        rank's server serves the same plan and target. Otherwise a host would train another host's
+        batches (twice) and leave its own untrained, or seq s would hold other documents on
+        another host. The gather is collective: every rank calls this once, after its WELCOME."""
+        c = self.cfg.cluster
+        served = (int(target.get("num_hosts", 1)), int(target.get("host_rank", 0)))
+        mine = {"plan": self.plan["id"], "layer_ids": list(target.get("layer_ids", [])),
+                "hidden_size": target.get("hidden_size"), "vocab_size": target.get("vocab_size")}
+        others = self.ranks.gather_objects((c.host_rank, mine))
+        if served != (c.num_hosts, c.host_rank):
+            raise PlanChanged(
+                f"the target server at {self.cfg.service.target_endpoint} serves host {served[1]} of {served[0]}, "
+                f"this trainer rank is on host {c.host_rank} of {c.num_hosts} (cluster.host_rank, cluster.num_hosts): "
+                "give the server and the trainer ranks of a host the same cluster settings, and each host's "
+                "ranks their own host's service.target_endpoint")
+        differ = sorted({f"host {h}: {theirs}" for h, theirs in others if theirs != mine})
+        if differ:
+            raise PlanChanged(
+                f"the hosts' target servers serve different data plans or targets (host {c.host_rank}: {mine}; "
+                f"{'; '.join(differ)}): every host needs the same data, target folder and data settings")
 
     def _take_drafter(self, built: tuple[DFlashDraftModel, CompileBehind | None] | None,
                       guess: dict[str, Any] | None, target: dict[str, Any]) -> None:
@@ -556,9 +620,13 @@ class Trainer:
         """One all-reduce of the loop's flags, so that every rank takes the same branch."""
         epochs = self.cfg.train.epochs
         all_ended = len({e for e in ends_seen if e < epochs}) >= epochs
+        since = len(self.trained) - self.resumed_batches
+        by_host = [0.0] * self.hosts   # this rank's batches, in its host's slot: per-host progress for status
+        by_host[self.cfg.cluster.host_rank] = since
         sync = self.ranks.sum_(torch.tensor([batch is not None, self.flags.stop,
                                              self.flags.checkpoint or self.flags.drain, all_ended,
-                                             len(self.trained) - self.resumed_batches], dtype=torch.float64))
+                                             since, *by_host], dtype=torch.float64))
+        self.trained_by_host = [r + int(n) for r, n in zip(self.resumed_by_host, sync[5:].tolist())]
         return Agreement(ranks_with_batch=int(sync[0]), stop=bool(sync[1]), checkpoint=bool(sync[2]),
                          everyone_ended=int(sync[3]) == self.ranks.world,
                          trained_total=self.resumed_batches + int(sync[4]))

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from common.cluster import host_shard
 from common.seqset import SeqSet
 
 
@@ -190,10 +191,12 @@ class Session:
 
 
 class EpochPlan:
-    """Dense global seqs: epoch e owns [starts[e], starts[e] + sizes[e])."""
+    """Dense global seqs: epoch e owns [starts[e], starts[e] + sizes[e]); this host serves
+    `shard(e)` of it (all of it on one host: common.cluster.host_shard)."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], num_hosts: int = 1, host_rank: int = 0) -> None:
         self.sizes = list(sizes)
+        self.num_hosts, self.host_rank = num_hosts, host_rank
         self.starts = [0]
         for n in self.sizes:
             self.starts.append(self.starts[-1] + n)
@@ -211,11 +214,21 @@ class EpochPlan:
     def seqs(self, epoch: int) -> range:
         return range(self.starts[epoch], self.starts[epoch + 1])
 
+    def shard(self, epoch: int) -> range:
+        """The seqs of `epoch` this host serves."""
+        return host_shard(self.seqs(epoch), self.num_hosts, self.host_rank)
+
+    def first(self, epochs: int) -> "EpochPlan":
+        """The plan of the first `epochs` epochs, on the same host."""
+        return EpochPlan(self.sizes[:epochs], self.num_hosts, self.host_rank)
+
 
 def outstanding(plan: EpochPlan, have: SeqSet, quarantined: SeqSet, in_ring: set[int],
                 computing: set[int]) -> SeqSet:
-    """Seqs that must still be computed for a session holding `have`: work in runs, not seqs."""
-    todo = SeqSet.from_ranges(have.difference_ranges(0, plan.total))
+    """Seqs of this host's shard that must still be computed for a session holding `have`: work in
+    runs, not seqs."""
+    todo = SeqSet.from_ranges(r for e in range(len(plan.sizes))
+                              for r in have.difference_ranges(plan.shard(e).start, plan.shard(e).stop))
     todo.difference_update(quarantined)
     for seq in in_ring | computing:
         todo.discard(seq)

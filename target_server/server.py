@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from common.channel import CurveKeys, RouterChannel
+from common.cluster import plan_shard
 from common.config import Config
 from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, start_metrics_server
@@ -135,7 +136,8 @@ class TargetServer:
 
     def _plan_epochs(self, epochs: int) -> None:
         if epochs > len(self.plan.sizes):
-            self.plan = EpochPlan(self.packer.epoch_sizes(epochs))
+            self.plan = EpochPlan(self.packer.epoch_sizes(epochs), self.cfg.cluster.num_hosts,
+                                  self.cfg.cluster.host_rank)
 
     def _load_runner(self, device: str):
         from .target import TargetRunner
@@ -174,7 +176,7 @@ class TargetServer:
         start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
         with self.stages.time("data_prepare"):
             self._load_data()
-        self.dispatcher.reset(self.plan.seqs(0))  # prefetch epoch 0 before any trainer connects
+        self.dispatcher.reset(self.plan.shard(0))  # prefetch this host's epoch 0 before any trainer connects
         for i, device in enumerate(t.devices):
             w = TargetWorker(i, device, self.cfg, self._load_runner, self.dataset, self.packer, self.dispatcher,
                              self._notify, self._on_quarantine, self.stages,
@@ -213,6 +215,8 @@ class TargetServer:
                         "corrupt_slots": counters["corrupt_slots"]},
             "tokens": sum(w.tokens for w in self.workers),
             "epoch_sizes": self.plan.sizes,
+            "cluster": {"num_hosts": self.plan.num_hosts, "host_rank": self.plan.host_rank,
+                        "shard_sizes": [len(self.plan.shard(e)) for e in range(len(self.plan.sizes))]},
             "plan": dict(self.data_plan),
             "pending": self.dispatcher.pending_count(),
             "computing": len(self.dispatcher.computing),
@@ -294,7 +298,7 @@ class TargetServer:
     def _replan(self) -> None:
         """Queue every seq the session still needs that is neither in a slot nor being computed."""
         s = self.session
-        plan = EpochPlan(self.plan.sizes[: s.epochs])
+        plan = self.plan.first(s.epochs)
 
         def todo(computing: set[int]) -> list[int]:   # under the dispatcher's lock (Dispatcher.replan)
             in_ring = set()
@@ -358,6 +362,15 @@ class TargetServer:
             self._refuse(peer, msg.rid, "out_of_plan",
                          f"hello refused: its have set reaches seq {msg.have.end - 1}, but {msg.epochs} "
                          f"epoch(s) of this plan (data plan {self.data_plan['id']}) hold seqs [0, {planned})")
+            return
+        if self.plan.num_hosts > 1 and not msg.have.issubset(
+                plan_shard(self.plan.sizes[: msg.epochs], self.plan.num_hosts, self.plan.host_rank)):
+            # Another host's seqs: that host's server delivers them; here they would only hide a
+            # trainer that says HELLO to the wrong host's server.
+            self._refuse(peer, msg.rid, "out_of_shard",
+                         f"hello refused: its have set holds seqs outside host {self.plan.host_rank}'s shard of "
+                         f"{self.plan.num_hosts} hosts (cluster.host_rank / service.target_endpoint of the trainer "
+                         f"and of this server must name the same host)")
             return
         if s is not None and s.job != msg.job:
             self._end_session("replaced by a new trainer session")
@@ -510,7 +523,7 @@ class TargetServer:
         for e in range(s.epochs):
             if e in s.epochs_ended:
                 continue
-            r = self.plan.seqs(e)
+            r = self.plan.shard(e)   # this host's part: the other hosts' servers end theirs
             if held.difference_ranges(r.start, r.stop):
                 break  # epochs end in order
             s.epochs_ended.add(e)
@@ -596,7 +609,8 @@ class TargetServer:
                                     "num_layers": r.num_layers, "layer_ids": list(r.layer_ids),
                                     "vocab_size": r.vocab_size, "dtype": str(r.dtype).replace("torch.", ""),
                                     "epoch_samples": len(self.dataset),
-                                    "token_budget": self.cfg.data.token_budget}
+                                    "token_budget": self.cfg.data.token_budget,
+                                    "num_hosts": self.plan.num_hosts, "host_rank": self.plan.host_rank}
                 self.state = "serving"
                 log.info("serving: %d worker(s), rings %s", len(self.workers), [w.ring.path for w in self.workers])
             elif "warming" in states:

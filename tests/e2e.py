@@ -45,7 +45,7 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
     if os.environ.get("DFPIPE_TEST_TRAINER_DEVICE"):
         cfg["train"]["device"] = os.environ["DFPIPE_TEST_TRAINER_DEVICE"]
     for name, values in sections.items():
-        cfg[name].update(values)
+        cfg.setdefault(name, {}).update(values)
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -183,3 +184,75 @@ def test_dockerfile_builds_on_a_cuda_pytorch_base_with_pinned_gpu_requirements()
     for line in gpu.splitlines():
         if line and not line.startswith(("#", "-r")):
             assert "==" in line, f"unpinned GPU requirement: {line}"
+
+
+def _torchrun_args(argv: list[str], env: dict[str, str]) -> Any:
+    """What torchrun itself makes of a command line and its PET_* environment (its own parser)."""
+    from torch.distributed.run import get_args_parser
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PET_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update({k: v for k, v in env.items() if k.startswith("PET_")})
+    try:
+        return get_args_parser().parse_args(argv)
+    finally:
+        for k in [k for k in os.environ if k.startswith("PET_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def test_compose_takes_the_host_rank_and_rendezvous_from_the_environment() -> None:
+    from common.config import env_overrides, load_config
+
+    shape = REPO / "deploy" / "compose" / "8gpu-3+5.yml"
+    hosts = {"DFPIPE_NUM_HOSTS": "2", "DFPIPE_HOST_RANK": "1", "DFPIPE_RDZV_ENDPOINT": "10.0.0.1:29400"}
+    for env, multihost in (({}, False), (hosts, True)):
+        files = [REPO / "docker-compose.yml", shape]
+        if multihost:
+            files.append(REPO / "deploy" / "compose" / "multihost.yml")
+        tool = _tool("docker-compose")
+        res = subprocess.run([tool, *[a for f in files for a in ("-f", str(f))], "config"], capture_output=True,
+                             text=True, cwd=REPO, timeout=60,
+                             env={**{k: v for k, v in os.environ.items() if not k.startswith("DFPIPE_")}, **env})
+        assert res.returncode == 0, res.stderr
+        services = yaml.safe_load(res.stdout)["services"]
+        target, trainer = services["target-server"], services["trainer"]
+        # both services of a host read its shard from the environment (one config file for every host)
+        for svc in (target, trainer):
+            cluster = load_config(None, env_overrides({k: str(v) for k, v in svc["environment"].items()})).cluster
+            assert (cluster.num_hosts, cluster.host_rank) == ((2, 1) if multihost else (1, 0))
+        t_env = {k: str(v) for k, v in trainer["environment"].items()}
+        args = _torchrun_args(trainer["entrypoint"][1:] + ["trainer"], t_env)
+        assert args.rdzv_backend == "c10d" and args.nnodes == ("2" if multihost else "1")
+        assert args.rdzv_endpoint == ("10.0.0.1:29400" if multihost else "127.0.0.1:29400")
+        assert t_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1", "a restarted world needs a fresh store"
+        # gradients cross hosts: the trainer on the host's network; the target never needs it
+        assert trainer.get("network_mode") == ("host" if multihost else None)
+        assert "network_mode" not in target
+
+
+def test_systemd_units_take_the_host_rank_and_rendezvous_from_cluster_env() -> None:
+    from common.config import env_overrides, load_config
+
+    def unit_env(text: str) -> dict[str, str]:
+        return dict(m.split("=", 1) for m in re.findall(r"^Environment=(\S+)$", text, re.M))
+
+    cluster_env = dict(ln.split("=", 1) for ln in (UNITS / "cluster.env").read_text().splitlines()
+                       if ln and not ln.startswith("#"))
+    trainer = (UNITS / "dfpipe-trainer.service").read_text()
+    target = (UNITS / "dfpipe-target.service").read_text()
+    for text in (trainer, target):   # the file is read after the units' defaults, so it wins
+        assert "EnvironmentFile=-/etc/dfpipe/cluster.env" in text
+        assert text.index("EnvironmentFile=-/etc/dfpipe/cluster.env") > text.index("Environment=DFPIPE_HOST_RANK=0")
+    exec_start = re.search(r"^ExecStart=(.*?)(?<!\\)$", trainer, re.M | re.S).group(1).replace("\\\n", " ")
+    argv = exec_start.split()
+    assert argv[0].endswith("/torchrun")
+    for env, expect in ((unit_env(trainer), ("1", "127.0.0.1:29400", (1, 0))),
+                        ({**unit_env(trainer), **cluster_env}, ("2", "10.0.0.1:29400", (2, 0)))):
+        expanded = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in argv[1:]]
+        args = _torchrun_args(expanded, {})
+        assert (args.nnodes, args.rdzv_endpoint, args.rdzv_backend) == (*expect[:2], "c10d"), expanded
+        cluster = load_config(None, env_overrides(env)).cluster
+        assert (cluster.num_hosts, cluster.host_rank) == expect[2]
+    assert unit_env(trainer)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
