@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from common.config import Config
-from drafter_trainer.checkpoint import latest_checkpoint, load_checkpoint
+from drafter_trainer.checkpoint import TrainerState, latest_checkpoint
 from drafter_trainer.export import ExportError, check_target, export_drafter
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 from target_server.tiny import BUILTIN_PREFIX
@@ -19,11 +19,12 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
     path = checkpoint or latest_checkpoint(cfg.resolve(cfg.train.out_dir))
     if not path:
         raise SystemExit(f"dfpipe export: no checkpoint under {cfg.resolve(cfg.train.out_dir)}")
-    state, _meta = load_checkpoint(path)
-    model = DFlashDraftModel(DFlashConfig(**state["drafter_config"]), split_fc=state.get("split_fc", False))
-    result = model.load_state_dict(state["model"], strict=False)
-    if result.unexpected_keys:
-        raise SystemExit(f"dfpipe export: checkpoint {path} has unknown weights {result.unexpected_keys[:4]}")
+    state = TrainerState.load(path)
+    model = DFlashDraftModel(DFlashConfig(**state.drafter_config), split_fc=state.split_fc)
+    try:
+        state.restore_weights(model)
+    except ValueError as e:
+        raise SystemExit(f"dfpipe export: checkpoint {path}: {e}") from None
     target = target_dir or cfg.resolve(cfg.target.model)
     checked: str | None = None
     if target.startswith(BUILTIN_PREFIX):

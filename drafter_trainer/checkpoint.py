@@ -19,13 +19,18 @@ import fcntl
 import json
 import os
 import shutil
+import dataclasses
+import time
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import torch
 
+from common.cluster import accounting as cluster_accounting
+from common.cluster import count_by_host
 from common.faults import fault_error, fault_point
+from common.protocol import ProtocolError, check_plan
 from common.seqset import SeqSet
 
 PREFIX = "step-"
@@ -179,6 +184,66 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> tupl
         meta = json.load(f)
     state = torch.load(os.path.join(path, "state.pt"), map_location=map_location, weights_only=False)
     return state, meta
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What a checkpoint holds, written (`save`) and read (`load`) here only. The trainer builds
+    one from itself to save, and restores from the one `load` gives: its accounting at start-up
+    (before it says HELLO), the weights, RNG and optimizer once the drafter is built
+    (`restore_weights`, and `optimizer` to optim.build_adamw)."""
+
+    step: int
+    epoch: int
+    have: SeqSet                                  # batch seqs whose effect is in the weights (every host's)
+    trained_samples: dict[int, np.ndarray]        # sample ids trained, per epoch
+    skipped_steps: int = 0
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)   # the data plan of `have` ({}: not recorded)
+    epoch_sizes: list[int] | None = None          # batches of every planned epoch (None: not recorded)
+    config_hash: str = ""                         # of the drafter config section
+    model: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # the trainable weights
+    optimizer: dict[str, Any] | None = None       # torch AdamW state_dict
+    rng: torch.Tensor | None = None               # torch's CPU generator state
+    drafter_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    split_fc: bool = False
+
+    def save(self, out_dir: str, keep: int, reason: str, epoch_samples: int, num_hosts: int = 1) -> tuple[str, dict]:
+        """Write it atomically (save_checkpoint); its path and meta. OSError when the write fails."""
+        state = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                 "drafter_config": self.drafter_config, "split_fc": self.split_fc, "rng": {"torch": self.rng},
+                 "trained_samples": self.trained_samples}
+        sizes = self.epoch_sizes or []
+        meta = {"step": self.step, "epoch": self.epoch, "have": self.have.to_wire(), "reason": reason,
+                "plan": self.plan, "config_hash": self.config_hash, "skipped_steps": self.skipped_steps,
+                "time": time.time(), **sample_stats(self.trained_samples, self.epoch, epoch_samples),
+                "epochs": epoch_stats(self.trained_samples), "epoch_sizes": sizes,
+                "cluster": cluster_accounting(count_by_host(self.have, sizes, num_hosts), sizes)}
+        return save_checkpoint(out_dir, self.step, state, meta, keep), meta
+
+    @classmethod
+    def load(cls, path: str) -> "TrainerState":
+        state, meta = load_checkpoint(path)
+        plan = {}
+        if meta.get("plan"):
+            try:
+                plan = check_plan(meta["plan"], "meta.json plan")
+            except ProtocolError as e:
+                raise ValueError(f"{path}: {e}; the checkpoint's data plan is unreadable (restore its meta.json, "
+                                 "or remove its 'plan' to resume it unchecked)") from None
+        return cls(step=meta["step"], epoch=meta["epoch"], have=SeqSet.from_wire(meta["have"]),
+                   trained_samples={int(e): np.asarray(v, dtype=np.int64) for e, v in state["trained_samples"].items()},
+                   skipped_steps=meta.get("skipped_steps", 0), plan=plan, epoch_sizes=meta.get("epoch_sizes"),
+                   config_hash=meta.get("config_hash", ""), model=state["model"], optimizer=state.get("optimizer"),
+                   rng=state.get("rng", {}).get("torch"), drafter_config=state.get("drafter_config", {}),
+                   split_fc=state.get("split_fc", False))
+
+    def restore_weights(self, model: torch.nn.Module) -> None:
+        """The checkpoint's trainable weights into `model` (its frozen target head stays), and its RNG."""
+        result = model.load_state_dict(self.model, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"checkpoint has unknown weights {result.unexpected_keys[:4]}")
+        if self.rng is not None:
+            torch.set_rng_state(self.rng)
 
 
 def read_meta(path: str) -> dict[str, Any]:

@@ -52,12 +52,12 @@ from common.cluster import restrict as restrict_to_host
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
-from common.protocol import ProtocolError, check_plan, new_session_secret
+from common.protocol import new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (OutDirInUse, epoch_stats, latest_checkpoint, load_checkpoint, lock_out_dir, plan_changes,
-                         sample_stats, save_checkpoint, sweep_partial)
+from .checkpoint import (OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes, sample_stats,
+                         sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -249,6 +249,8 @@ class Trainer:
         self.last_checkpoint_error = ""
         self.stopped_by_checkpoint_failures = False
         self.trained = SeqSet()                     # seqs whose effect is in the weights
+        self.resumed: TrainerState | None = None    # the checkpoint resumed, until _take_drafter restores it
+        self.resumed_plan: dict[str, Any] = {}      # the data plan of the checkpoint's `have` ({}: none recorded)
         self.resumed_batches = 0
         self.trained_samples: dict[int, list[np.ndarray]] = {}
         self.last_loss = float("nan")
@@ -265,6 +267,7 @@ class Trainer:
         self.resumed_by_host = [0] * self.hosts     # the checkpoint's batches in each host's shard
         self.trained_by_host = [0] * self.hosts     # all ranks' batches by host, as of the last agreement
         self.control: TrainerControl | None = None
+        self.feed: RingFeed | None = None             # set up in setup(); the stream of this rank's batches
         self.metrics: MetricsSink | None = None     # rank 0's records (metrics.jsonl, TensorBoard, W&B)
         self.startup: dict[str, float | None] = {}   # seconds of each start-up phase, to the first step
         self.last_eval: dict[str, Any] | None = None  # the latest held-out eval (see evaluate)
@@ -276,7 +279,7 @@ class Trainer:
     def status(self) -> dict[str, Any]:
         stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples)
         elapsed = max(1e-9, time.time() - self.t_start)
-        feed = getattr(self, "feed", None)
+        feed = self.feed
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
                 "batches_trained": len(self.trained), "batches_planned": self.total_batches,
@@ -300,7 +303,8 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
-        self.resumed_plan: dict[str, Any] = {}   # the data plan of the checkpoint's `have` ({}: none recorded)
+        """Rank 0 locks out_dir; every rank takes the latest checkpoint's accounting (the weights
+        wait in `resumed` for the drafter); this host's shard of its batches, for HELLO."""
         path = None
         if self.ranks.rank == 0:
             self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
@@ -311,37 +315,28 @@ class Trainer:
         path = self.ranks.broadcast_str(path or "") or None
         if path is None:
             return SeqSet()
-        state, meta = load_checkpoint(path)
-        self._resume_state = state
-        self.step = meta["step"]
-        self.epoch = meta["epoch"]
-        self.skipped_steps = meta.get("skipped_steps", 0)
-        self.trained = SeqSet.from_wire(meta["have"])
+        r = self.resumed = TrainerState.load(path)
+        self.step, self.epoch, self.skipped_steps = r.step, r.epoch, r.skipped_steps
+        self.trained = r.have.copy()
         self.resumed_batches = len(self.trained)
         # on rank 0 only: a checkpoint gathers every rank's samples, so a copy on each rank would
         # count every resumed sample once per rank (duplicated)
-        self.trained_samples = ({int(e): [np.asarray(v, dtype=np.int64)] for e, v in state["trained_samples"].items()}
-                                if self.ranks.rank == 0 else {})
+        self.trained_samples = {e: [v] for e, v in r.trained_samples.items()} if self.ranks.rank == 0 else {}
         self.last_checkpoint = path
-        if meta.get("plan"):
-            try:
-                self.resumed_plan = check_plan(meta["plan"], "meta.json plan")
-            except ProtocolError as e:
-                raise ValueError(f"{path}: {e}; the checkpoint's data plan is unreadable (restore its meta.json, "
-                                 "or remove its 'plan' to resume it unchecked)") from None
-        if meta.get("config_hash") != self.cfg.hash("drafter"):
+        self.resumed_plan = r.plan
+        if r.config_hash != self.cfg.hash("drafter"):
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
-                        path, meta.get("config_hash"))
+                        path, r.config_hash)
         log.info("resuming from %s: step %d, %d batches held", path, self.step, len(self.trained))
         c = self.cfg.cluster
         if c.num_hosts == 1:
             return self.trained.copy()
-        if "epoch_sizes" not in meta and self.trained:
+        if r.epoch_sizes is None and self.trained:
             raise ValueError(f"{path} records no epoch sizes (written before cluster.num_hosts existed), so this "
                              f"host's shard of its batches is unknown: resume it with cluster.num_hosts 1 until its "
                              f"next checkpoint (which records them)")
         # this host's server delivers only its shard: HELLO says which of those the checkpoint holds
-        return restrict_to_host(self.trained, meta.get("epoch_sizes", []), c.num_hosts, c.host_rank)
+        return restrict_to_host(self.trained, r.epoch_sizes or [], c.num_hosts, c.host_rank)
 
     def checkpoint(self, reason: str) -> bool:
         """Save (rank 0) and commit; False when the save failed. A failed save costs nothing but
@@ -367,19 +362,16 @@ class Trainer:
 
     def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]]) -> bool:
         """Rank 0: write the checkpoint of the union `have`; False when the save failed."""
-        samples_np = {e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}
         trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
-        state = {"model": trainable, "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "drafter_config": dataclasses.asdict(self.model.config), "split_fc": self.cfg.drafter.split_fc,
-                 "rng": {"torch": torch.get_rng_state()}, "trained_samples": samples_np}
-        meta = {"step": self.step, "epoch": self.epoch, "have": have.to_wire(), "reason": reason, "plan": self.plan,
-                "config_hash": self.cfg.hash("drafter"), "skipped_steps": self.skipped_steps,
-                "time": time.time(), **sample_stats(samples_np, self.epoch, self.epoch_samples),
-                "epochs": epoch_stats(samples_np), "epoch_sizes": self.epoch_sizes,
-                "cluster": cluster_accounting(count_by_host(have, self.epoch_sizes, self.hosts), self.epoch_sizes)}
+        state = TrainerState(
+            step=self.step, epoch=self.epoch, have=have, skipped_steps=self.skipped_steps,
+            trained_samples={e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}, plan=self.plan,
+            epoch_sizes=self.epoch_sizes, config_hash=self.cfg.hash("drafter"), model=trainable,
+            optimizer=self.optimizer.state_dict(), rng=torch.get_rng_state(),
+            drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc)
         try:
-            self.last_checkpoint = save_checkpoint(self.out_dir, self.step, state, meta,
-                                                   self.cfg.train.keep_checkpoints)
+            self.last_checkpoint, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
+                                                    self.epoch_samples, self.hosts)
         except OSError as e:
             return self._checkpoint_failed(reason, e)
         self.checkpoint_failures_in_row = 0
@@ -496,13 +488,10 @@ class Trainer:
         self.compile_state = {"state": "compiling" if self.behind else "compiled" if self.model.compiled else "eager"}
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         params = [p for p in self.model.parameters() if p.requires_grad]
-        st = getattr(self, "_resume_state", None)
-        if st is not None:
-            missing = self.model.load_state_dict(st["model"], strict=False)
-            if missing.unexpected_keys:
-                raise ValueError(f"checkpoint has unknown weights {missing.unexpected_keys[:4]}")
-            torch.set_rng_state(st["rng"]["torch"])
-        self.optimizer = build_adamw(params, cfg.train, self.device, st["optimizer"] if st else None)
+        if self.resumed is not None:
+            self.resumed.restore_weights(self.model)
+        self.optimizer = build_adamw(params, cfg.train, self.device, self.resumed.optimizer if self.resumed else None)
+        self.resumed = None   # restored: its CPU copies of the weights and moments are not kept
         self.step_settings = StepSettings.from_config(cfg, self.device)
         self.gamma = drafter_gamma(cfg)
         self.mask_id = self.model.config.mask_token_id
@@ -765,7 +754,7 @@ class Trainer:
         return EXIT_OK
 
     def close(self) -> None:
-        if getattr(self, "feed", None) is not None:
+        if self.feed is not None:
             self.feed.close()
         if self.control is not None:
             self.control.close()

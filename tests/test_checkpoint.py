@@ -3,6 +3,7 @@ trained), and what a full disk does to a save and to the metrics log."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -94,3 +95,31 @@ def test_one_trainer_per_out_dir_and_a_dead_holder_never_blocks(tmp_path: Path) 
     finally:
         os.close(first)                      # what the kernel does when the holder dies, even by kill -9
     os.close(lock_out_dir(out))
+
+
+def test_trainer_state_round_trips_through_save_and_load(tmp_path):
+    """The one place a checkpoint's contents are written and read: what is saved is what is resumed."""
+    from common.seqset import SeqSet
+    from drafter_trainer.checkpoint import TrainerState, read_meta
+
+    model = torch.nn.Linear(3, 2, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    saved = TrainerState(step=7, epoch=1, have=SeqSet([0, 1, 2, 5]), skipped_steps=2,
+                         trained_samples={0: np.arange(4), 1: np.array([9, 3])}, plan={}, epoch_sizes=[4, 4],
+                         config_hash="abc", model=model.state_dict(), optimizer=opt.state_dict(),
+                         rng=torch.get_rng_state(), drafter_config={"hidden_size": 3}, split_fc=True)
+    path, meta = saved.save(str(tmp_path), keep=2, reason="test", epoch_samples=6, num_hosts=2)
+    assert read_meta(path) == json.loads(json.dumps(meta))
+    assert [h["batches_trained"] for h in meta["cluster"]["hosts"]] == [3, 1]
+    loaded = TrainerState.load(path)
+    assert (loaded.step, loaded.epoch, loaded.skipped_steps, loaded.epoch_sizes) == (7, 1, 2, [4, 4])
+    assert list(loaded.have) == [0, 1, 2, 5] and loaded.config_hash == "abc" and loaded.split_fc
+    assert {e: v.tolist() for e, v in loaded.trained_samples.items()} == {0: [0, 1, 2, 3], 1: [9, 3]}
+    fresh = torch.nn.Linear(3, 2, bias=False)
+    loaded.restore_weights(fresh)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(torch.get_rng_state(), saved.rng)
+    loaded.model["extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="unknown weights"):
+        loaded.restore_weights(fresh)

@@ -9,7 +9,8 @@ import pytest
 from safetensors.torch import load_file
 
 from dfpipe.cli import main
-from drafter_trainer.checkpoint import save_checkpoint
+from common.seqset import SeqSet
+from drafter_trainer.checkpoint import TrainerState
 from test_drafter_model import make_model, tiny_config
 
 # The tiny drafter's target: width 64, 97 tokens, 8 layers (tiny_config).
@@ -20,9 +21,9 @@ TARGET_SHAPE = {"hidden_size": 64, "vocab_size": 97, "num_hidden_layers": 8}
 def run_dir(tmp_path):
     """A train.out_dir holding one checkpoint of the tiny drafter."""
     model = make_model(tiny_config())
-    state = {"model": model.trainable_state_dict(), "drafter_config": dataclasses.asdict(model.config),
-             "split_fc": False}
-    save_checkpoint(str(tmp_path / "run"), 5, state, {"step": 5}, keep=1)
+    state = TrainerState(step=5, epoch=0, have=SeqSet(), trained_samples={}, model=model.trainable_state_dict(),
+                         drafter_config=dataclasses.asdict(model.config))
+    state.save(str(tmp_path / "run"), keep=1, reason="test", epoch_samples=0)
     return tmp_path / "run"
 
 
