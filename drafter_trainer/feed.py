@@ -435,7 +435,8 @@ class RingFeed:
         return PackedBatch(**moved, seq=a.seq, epoch=int(meta.get("epoch", a.epoch))), checksums
 
     def _check(self, batch: PackedBatch, view) -> None:
-        """check_batch, on the CPU: the slot's token tensors (same bytes, checksum checked) on CUDA."""
+        """check_batch; on CUDA over the slot's token tensors (the bytes just checksummed on the
+        device), so the check costs no device sync."""
         t = view.tensors
         check_batch(batch if self._copy_stream is None else PackedBatch(
             hidden=batch.hidden, **{k: t[k] for k in PAYLOAD_TENSORS if k != "hidden"}))
