@@ -18,6 +18,8 @@ TOKEN_TENSORS: dict[str, torch.dtype] = {
     "sample_ids": torch.int64,
 }
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# every tensor of a slot's payload, in slot order
+PAYLOAD_TENSORS: tuple[str, ...] = ("hidden", *TOKEN_TENSORS)
 
 
 class BatchError(ValueError):

@@ -634,7 +634,9 @@ class EpochEnd(Message):
 @message("ack")
 class Ack(Message):
     """Rank -> server: the slot's data is on the rank's device (the ring's ack word is already
-    written; this message only wakes the producer sooner). `seq` repeats the announcement's."""
+    written; this message only wakes the producer sooner). `seq` repeats the announcement's.
+    `corrupt`: the payload failed its checksum and was not taken (no ack word written): free the
+    slot and compute the batch again."""
 
     consumer_epoch: int = wire(EPOCH)
     secret: str = wire(SECRET)
@@ -642,6 +644,7 @@ class Ack(Message):
     slot: int = wire(SLOT)
     pub_seq: int = wire(SEQ)
     seq: int = wire(SEQ)
+    corrupt: bool = wire(BoolCodec(), default=False)
 
 
 @message("commit")

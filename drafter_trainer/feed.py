@@ -5,8 +5,13 @@ must keep happening while the training thread is busy in a step: answer PINGs, r
 ANNOUNCEs, copy announced slots to the device, ack them, notice a dead target server and
 re-HELLO a new one. The training thread only calls `get()`.
 
-    ANNOUNCE -> read slot (header checked) -> copy to device (own stream) -> copy done
-             -> queue the batch -> ack in shared memory -> ACK message
+    ANNOUNCE -> read slot (header checked) -> copy to device (own stream) + payload checksum
+             there -> copy done -> checksum checked -> queue the batch -> ack in shared memory
+             -> ACK message
+
+A payload whose checksum differs from the one its producer put in the slot's meta is never
+trained: no shared-memory ack, an ACK with `corrupt` set instead (the server frees the slot and
+computes that batch again), one error line, counted in `corrupt_payloads`.
 
 The batch is queued before the ACK goes out, so by the time the server can declare an epoch
 over, every acked batch already sits in some rank's queue. `have()` is the set of seqs whose
@@ -33,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.batch import BatchError, PackedBatch, check_batch
+from common.batch import PAYLOAD_TENSORS, BatchError, PackedBatch, check_batch
+from common.checksum import META_KEY, ChecksumMismatch, check_payload, payload_checksums
 from common.channel import CurveKeys, DealerChannel
 from common.config import Config
 from common.liveness import process_start_time
@@ -81,6 +87,7 @@ class RingFeed:
         self._depth = depth
         self._pending: deque = deque()          # Announce / EpochEndMarker not yet processed
         self._seen_pubs: set[tuple[int, int, int]] = set()
+        self._corrupt_pubs: set[tuple[int, int, int]] = set()   # handed back for a checksum mismatch
         self._commits: queue.Queue = queue.Queue()
         self.state = "connecting"
         self.welcome: Welcome | None = None
@@ -89,7 +96,7 @@ class RingFeed:
         self._superseded_epoch = -1
         self.rings: dict[int, ConsumerRing] = {}
         self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
-                         "reconnects": 0, "heldout": 0}
+                         "reconnects": 0, "heldout": 0, "corrupt_payloads": 0}
         self.error: str = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-rank{rank}", daemon=True)
@@ -214,8 +221,10 @@ class RingFeed:
         elif isinstance(msg, Announce):
             if msg.consumer_epoch != self.consumer_epoch:
                 return  # an announcement for a session that is over
-            key = (msg.worker, self.rings[msg.worker].producer_epoch if msg.worker in self.rings else -1, msg.pub_seq)
+            key = self._pub_key(msg)
             if key in self._seen_pubs:
+                if key in self._corrupt_pubs:   # our hand-back got lost (ZeroMQ is only the doorbell)
+                    self._hand_back(chan, msg)
                 return  # re-announced after a lost ack message: already handled or queued
             self._seen_pubs.add(key)
             if msg.heldout:
@@ -279,6 +288,7 @@ class RingFeed:
         # Repeats are only repeats within a session: a new session re-announces READY slots
         # (same pub_seq) that this rank saw but never acked under the old epoch.
         self._seen_pubs.clear()
+        self._corrupt_pubs.clear()
         self.welcome = msg
         self.plan = str(msg.plan["id"])   # what `have` is from now on; a later HELLO says so
         self.state = "streaming"
@@ -305,6 +315,7 @@ class RingFeed:
                     acked.add(seq)
             self._acked = acked
         self._seen_pubs.clear()
+        self._corrupt_pubs.clear()
         self.consumer_epoch = -1
         self.state = "fenced"
 
@@ -316,8 +327,13 @@ class RingFeed:
                 continue
             self._take(chan, item)
 
-    def _read(self, a: Announce) -> PackedBatch | None:
-        """The announced slot's batch, copied to the device; None (counted, logged) when unusable."""
+    def _pub_key(self, a: Announce) -> tuple[int, int, int]:
+        """(worker, producer epoch, pub_seq): one publication, across ring files of a worker."""
+        return a.worker, self.rings[a.worker].producer_epoch if a.worker in self.rings else -1, a.pub_seq
+
+    def _read(self, chan: DealerChannel, a: Announce) -> PackedBatch | None:
+        """The announced slot's batch, copied to the device and checked against its payload
+        checksum; None (counted, logged) when unusable, and handed back when corrupt."""
         what = f"held-out batch {a.seq}" if a.heldout else f"seq {a.seq}"
         ring = self.rings.get(a.worker)
         if ring is None:
@@ -328,9 +344,19 @@ class RingFeed:
             return None
         try:
             view = ring.read(a.slot, a.pub_seq)
-            batch = self._copy_out(view, a)
-            if not view.still_valid():
+            batch, checksums = self._copy_out(view, a)
+            if not view.still_valid():   # before the checksum: a slot rewritten under us is stale, not corrupt
                 raise StaleSlot(f"slot {a.slot} changed while it was copied")
+            check_payload(view.meta.get(META_KEY), PAYLOAD_TENSORS, checksums)
+            self._check(batch, view)
+        except ChecksumMismatch as e:
+            self.counters["corrupt_payloads"] += 1
+            log.error("rank %d: %s (worker %d slot %d, pub_seq %d) not trained: %s; handed back to be computed "
+                      "again (%d corrupt payload(s) so far)", self.rank, what, a.worker, a.slot, a.pub_seq, e,
+                      self.counters["corrupt_payloads"])
+            self._corrupt_pubs.add(self._pub_key(a))
+            self._hand_back(chan, a)
+            return None
         except StaleSlot as e:
             self.counters["stale_slots"] += 1
             log.warning("rank %d: %s not taken: %s", self.rank, what, e)
@@ -347,8 +373,13 @@ class RingFeed:
         chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
                       pub_seq=a.pub_seq, seq=a.seq))
 
+    def _hand_back(self, chan: DealerChannel, a: Announce) -> None:
+        """A corrupt payload: no shared-memory ack (that would count it delivered), only the message."""
+        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
+                      pub_seq=a.pub_seq, seq=a.seq, corrupt=True))
+
     def _take(self, chan: DealerChannel, a: Announce) -> None:
-        batch = self._read(a)
+        batch = self._read(chan, a)
         if batch is None:
             return
         duplicate = a.seq in self.have()
@@ -371,7 +402,7 @@ class RingFeed:
             if a.worker in self.rings and 0 <= a.slot < self.rings[a.worker].slot_count:
                 self._ack(chan, a)
             return
-        batch = self._read(a)
+        batch = self._read(chan, a)
         if batch is None:
             return
         with self._lock:
@@ -379,7 +410,8 @@ class RingFeed:
         self._ack(chan, a)
         self.counters["heldout"] += 1
 
-    def _copy_out(self, view, a: Announce) -> PackedBatch:
+    def _copy_out(self, view, a: Announce) -> tuple[PackedBatch, torch.Tensor]:
+        """The slot's tensors on the device, and their payload checksums computed there (on the CPU)."""
         meta = view.meta
         if int(meta.get("seq", -1)) != a.seq:
             raise ValueError(f"slot holds seq {meta.get('seq')}, announced {a.seq}")
@@ -387,23 +419,27 @@ class RingFeed:
             raise ValueError(f"slot heldout={meta.get('heldout')}, announced heldout={a.heldout}")
         t = view.tensors
         if self._copy_stream is None:
-            moved = {k: t[k].clone() for k in ("hidden", "input_ids", "loss_mask", "position_ids", "doc_lens",
-                                               "sample_ids")}
+            moved = {k: t[k].clone() for k in PAYLOAD_TENSORS}
+            checksums = payload_checksums(moved)
         else:
             with torch.cuda.stream(self._copy_stream):
-                moved = {k: t[k].to(self.device, non_blocking=True) for k in
-                         ("hidden", "input_ids", "loss_mask", "position_ids", "doc_lens", "sample_ids")}
+                moved = {k: t[k].to(self.device, non_blocking=True) for k in PAYLOAD_TENSORS}
+                # over the copies on the device, queued behind them; read back under the same wait
+                checksums = payload_checksums(moved).to("cpu", non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
             done.synchronize()
             main = torch.cuda.default_stream(self.device)
             for v in moved.values():
                 v.record_stream(main)  # allocated on the copy stream, used on the training stream
-        batch = PackedBatch(**moved, seq=a.seq, epoch=int(meta.get("epoch", a.epoch)))
+        return PackedBatch(**moved, seq=a.seq, epoch=int(meta.get("epoch", a.epoch))), checksums
+
+    def _check(self, batch: PackedBatch, view) -> None:
+        """check_batch; on CUDA over the slot's token tensors (the bytes just checksummed on the
+        device), so the check costs no device sync."""
+        t = view.tensors
         check_batch(batch if self._copy_stream is None else PackedBatch(
-            hidden=batch.hidden, **{k: t[k] for k in ("input_ids", "loss_mask", "position_ids", "doc_lens",
-                                                      "sample_ids")}))
-        return batch
+            hidden=batch.hidden, **{k: t[k] for k in PAYLOAD_TENSORS if k != "hidden"}))
 
     def _send_commits(self, chan: DealerChannel) -> None:
         while True:

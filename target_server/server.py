@@ -63,7 +63,7 @@ class TargetServer:
         self.quarantine_log: list[dict[str, Any]] = []
         self.counters = {"produced": 0, "acked": 0, "announced": 0, "redelivered": 0,
                          "quarantined": 0, "discarded": 0, "sessions": 0, "fenced": 0, "finished": 0,
-                         "bad_messages": 0, "corrupt_slots": 0,
+                         "bad_messages": 0, "corrupt_slots": 0, "corrupt_payloads": 0,
                          "heldout_announced": 0, "heldout_acked": 0, "heldout_discarded": 0}
         self.heldout_quarantined: set[int] = set()
         self._corrupt_seen = False   # a slot was freed for a bad table since the last replan
@@ -212,7 +212,7 @@ class TargetServer:
             "batches": {"produced": sum(w.batches for w in self.workers), "acked": counters["acked"],
                         "redelivered": counters["redelivered"], "recomputed": self.dispatcher.recomputed,
                         "quarantined": quarantined, "discarded": counters["discarded"],
-                        "corrupt_slots": counters["corrupt_slots"]},
+                        "corrupt_slots": counters["corrupt_slots"], "corrupt_payloads": counters["corrupt_payloads"]},
             "tokens": sum(w.tokens for w in self.workers),
             "epoch_sizes": self.plan.sizes,
             "cluster": {"num_hosts": self.plan.num_hosts, "host_rank": self.plan.host_rank,
@@ -541,8 +541,29 @@ class TargetServer:
                                                    f"connection that is no rank of session {s.job}")
             return
         self._touch(peer)
+        if msg.corrupt:
+            self._drop_corrupt_payload(peer, msg)
         self._sync_deliveries()
         self._announce()
+
+    def _drop_corrupt_payload(self, peer: bytes, msg: Ack) -> None:
+        """The rank's copy of a slot it was announced failed the payload checksum: free the slot
+        untrained, never count it delivered, and let the next replan compute its batch again."""
+        s = self.session
+        key = (msg.worker, msg.slot)
+        a = s.assigned.get(key)
+        if a is None or a.peer != peer or a.pub_seq != msg.pub_seq:
+            return   # not a publication this rank holds (late or repeated): nothing to free
+        ring = next(w.ring for w in self.workers if w.worker == msg.worker)
+        if ring is None or not ring.discard(msg.slot, msg.pub_seq):
+            return   # no longer READY: the shared-memory ack decides, as for any slot
+        del s.assigned[key]
+        s.peers[peer].in_hand.discard(key)
+        self.counters["corrupt_payloads"] += 1
+        self._corrupt_seen = True
+        log.error("worker %d slot %d (pub_seq %d, %s %d): rank %d read a payload that fails its checksum; slot "
+                  "freed, the batch will be computed again", msg.worker, msg.slot, msg.pub_seq,
+                  "held-out batch" if a.heldout else "seq", a.seq, s.peers[peer].rank)
 
     def _on_commit(self, peer: bytes, msg: Commit) -> None:
         s = self.session

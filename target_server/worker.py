@@ -11,6 +11,10 @@ CUDA: the forward writes into one of two device staging buffers; a publisher thr
 planes into the registered slot on its own stream, waits for that copy's event and only then
 publishes. The forward stream never waits for the copy, and a staging buffer is reused only after
 the copy out of it completed (the race that gave other pipelines NaN losses).
+
+Every published slot's meta carries the payload checksum of each tensor (`common.checksum`): on
+CUDA the hidden planes' is computed on the GPU from the staging buffer, on the copy stream, and
+read back under the same event wait as the copy; the token tensors' on the CPU from the slot.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from common.batch import TOKEN_TENSORS, slot_tensor_specs
+from common.checksum import META_KEY, as_meta, payload_checksums, tensor_checksum
 from common.metrics import StageTimes
 from common.liveness import RoleLock
 from common.ring import ProducerRing, slot_bytes
@@ -174,10 +179,11 @@ class TargetWorker(threading.Thread):
                 return build_packed(self.heldout_dataset, self.heldout_packer.batch(work.seq))
             return build_packed(self.dataset, self.packer.batch(work.seq))
 
-    def _meta(self, work: Work, arrays: dict[str, np.ndarray]) -> dict:
+    def _meta(self, work: Work, arrays: dict[str, np.ndarray], checksums: dict[str, list[int]]) -> dict:
         epoch = 0 if work.heldout else self.packer.locate(work.seq)[0]
         return {"seq": work.seq, "epoch": epoch, "num_tokens": int(arrays["input_ids"].shape[0]),
-                "layer_ids": list(self.runner.layer_ids), "worker": self.worker, "heldout": work.heldout}
+                "layer_ids": list(self.runner.layer_ids), "worker": self.worker, "heldout": work.heldout,
+                META_KEY: checksums}
 
     def _audit(self, work: Work, hidden: torch.Tensor, arrays: dict[str, np.ndarray]) -> bool:
         with self.stages.time("audit"):
@@ -203,10 +209,13 @@ class TargetWorker(threading.Thread):
             return AuditResult(False, f"packed != unpacked recompute (relative error {err:.3g})")
         return AuditResult(True)
 
-    def _write_tokens(self, slot, arrays: dict[str, np.ndarray]) -> None:
+    def _write_tokens(self, slot, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The token tensors into the slot; returns the slot's views of them."""
+        views = {}
         for name in TOKEN_TENSORS:
-            view = slot.tensor(name, TOKEN_TENSORS[name], tuple(arrays[name].shape))
-            view.copy_(torch.from_numpy(arrays[name]))
+            views[name] = slot.tensor(name, TOKEN_TENSORS[name], tuple(arrays[name].shape))
+            views[name].copy_(torch.from_numpy(arrays[name]))
+        return views
 
     def _hidden_view(self, slot, num_tokens: int) -> torch.Tensor:
         k, h = len(self.runner.layer_ids), self.runner.hidden_size
@@ -223,11 +232,13 @@ class TargetWorker(threading.Thread):
         if published:
             self.notify()
 
-    def _publish(self, slot, work: Work, arrays: dict[str, np.ndarray]) -> None:
-        """Token tensors into the slot, then READY (the hidden planes are already there)."""
-        self._write_tokens(slot, arrays)
+    def _publish(self, slot, work: Work, arrays: dict[str, np.ndarray], hidden_checksum: list[int]) -> None:
+        """Token tensors into the slot, then READY (the hidden planes are already there, and
+        `hidden_checksum` is theirs); the meta carries every tensor's payload checksum."""
+        tokens = self._write_tokens(slot, arrays)
         with self.stages.time("publish"):
-            slot.publish(self._meta(work, arrays))
+            checksums = {"hidden": hidden_checksum, **as_meta(tokens, payload_checksums(tokens))}
+            slot.publish(self._meta(work, arrays, checksums))
 
     def _serve_cpu(self) -> None:
         while not self._halt.is_set():
@@ -249,7 +260,7 @@ class TargetWorker(threading.Thread):
                                             torch.from_numpy(arrays["position_ids"]),
                                             torch.from_numpy(arrays["doc_lens"]), out=hidden)
                     if self._audit(work, hidden, arrays):
-                        self._publish(slot, work, arrays)
+                        self._publish(slot, work, arrays, tensor_checksum(hidden).tolist())
                         published = True
             finally:
                 self._settle(work, t, published)
@@ -336,11 +347,14 @@ class TargetWorker(threading.Thread):
                         hidden = self._hidden_view(slot, t)
                         with self.stages.time("copy"):
                             with torch.cuda.stream(copy_stream):  # already ordered after forward_done
+                                # the checksum of what is copied, on the GPU; its read-back lands
+                                # under the copy's event, so it adds no host sync of its own
+                                checksum = tensor_checksum(out).to("cpu", non_blocking=True)
                                 hidden.copy_(out, non_blocking=True)
                                 copied = torch.cuda.Event()
                                 copied.record(copy_stream)
                             copied.synchronize()
-                        self._publish(slot, work, arrays)
+                        self._publish(slot, work, arrays, checksum.tolist())
                         published = True
             except BaseException as e:
                 log.exception("publisher of worker %d failed", self.worker)
