@@ -29,9 +29,12 @@ import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import httpx2
+if TYPE_CHECKING:
+    import httpx2
+# httpx2 is imported where requests are made, not here: `dfpipe` builds every subcommand's parser
+# from this module, and the services (trainer, target server) must not need an HTTP client.
 
 INDEX_KEY = "input_index"
 BACKOFF_CAP_S = 60.0
@@ -125,6 +128,8 @@ class RequestFailed(Exception):
 
 def base_url(endpoint: str) -> str:
     """The OpenAI base URL: `http://host:8000` and `http://host:8000/v1` both mean the latter."""
+    import httpx2
+
     url = httpx2.URL(endpoint)
     if not url.scheme or not url.host:
         raise RegenerateError(f"--endpoint {endpoint!r} is not an http(s) URL, e.g. http://localhost:8000/v1")
@@ -172,6 +177,8 @@ def _retry_delay(s: Settings, attempt: int, resp: httpx2.Response | None) -> flo
 async def chat(client: httpx2.AsyncClient, s: Settings, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """(the assistant message, finish_reason) for one request, retried on connection errors and `retryable`
     statuses with exponential backoff."""
+    import httpx2
+
     attempts = 0
     while True:
         attempts += 1
@@ -344,6 +351,8 @@ async def _regenerate_row(client: httpx2.AsyncClient, s: Settings, index: int, l
 
 async def resolve_model(client: httpx2.AsyncClient) -> str:
     """The one model the server lists, for when --model is left out."""
+    import httpx2
+
     try:
         resp = await client.get("/models")
         resp.raise_for_status()
@@ -364,6 +373,8 @@ async def run(input_path: str, out: str, s: Settings, concurrency: int = 8, retr
         raise RegenerateError(f"input {input_path!r} is not a file")
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
+    import httpx2
+
     headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
     limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx2.AsyncClient(base_url=base_url(s.endpoint), headers=headers, limits=limits,

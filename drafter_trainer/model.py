@@ -278,6 +278,10 @@ def split_attention_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 # torch._dynamo (~1 s) into every process.
 _layer_split_attention = split_attention_of
 _compiled_flex = None
+# A chunk of under 128 queries (a batch's last, a test's) would otherwise take inductor's
+# flex-decoding kernel, meant for a few queries over a long cache: on the H200 it found no kernel
+# configuration for head size 16 and failed to compile. Block queries are never decoding.
+FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
@@ -291,10 +295,10 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     if q.device.type != "cuda" or torch.compiler.is_compiling():
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex, dynamic=True)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
 
 
 def resolve_attention(impl: str, device_type: str, head_dim: int) -> str:

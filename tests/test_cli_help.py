@@ -30,3 +30,19 @@ def test_prepare_data_module_help_exits_0(capsys):
     with pytest.raises(SystemExit) as done:
         prepare_main(["--help"])
     assert done.value.code == 0 and "--chat-template-kwargs" in capsys.readouterr().out
+
+
+def test_the_services_command_line_needs_no_http_client():
+    """The GPU hosts run the services from a minimal set of wheels: building the parser (every
+    subcommand's, `regenerate` included) must not import httpx2, which only `regenerate` uses."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.modules['httpx2'] = None\n"
+            "from dfpipe.cli import build_parser\n"
+            "build_parser().parse_args(['trainer', '-c', ''])\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert done.returncode == 0, done.stderr[-2000:]
