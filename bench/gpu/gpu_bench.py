@@ -66,7 +66,8 @@ FULL: dict[str, Any] = dict(
     # issue 8: GPUs to scale over (0: all), batches per worker, full-depth layers of the real target
     # (Qwen3.5-27B capture at 1,16,31,46,61 runs 62 layers), placements "target/trainer" GPU ids
     scale_gpus=0, scale_batches=8, real_layers_computed=62, placements="", drafter_attn="",
-    firstpass_batches=4,   # p23: fresh batches per attention variant, each timed on its first and second pass
+    firstpass_batches=4,   # p23: fresh batches per attention variant, each timed on its first and second pass (0: none)
+    p2_diagnostics=1,      # p23: after P2, the worker without audit / polling consumer / blocking inputs (0: none)
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
 )
@@ -566,6 +567,10 @@ def target_flops_per_token(shape: fixtures.TargetShape, layers: int, median_len:
     return 2.0 * weights + scores
 
 
+class _Skip(Exception):
+    """The rest of a measured block is left out on purpose (its figures are already recorded)."""
+
+
 def part_p23(ctx: Ctx) -> str:
     from bench.gpu.worker_harness import run_worker, worker_config
     from target_server.data import PreparedDataset
@@ -581,7 +586,8 @@ def part_p23(ctx: Ctx) -> str:
     ctx.store.figures("p23", first_forward_s=time.perf_counter() - t0, linear_backend=runner.linear_backend)
     failed = []
     try:
-        first_pass_by_attention(ctx, runner, manifest)
+        if a.firstpass_batches > 0:
+            first_pass_by_attention(ctx, runner, manifest)
     except Exception as e:  # a diagnostic: P2 and P3 still run
         traceback.print_exc()
         ctx.store.figures("p23", first_pass_error=f"{type(e).__name__}: {e}"[:500])
@@ -622,6 +628,12 @@ def part_p23(ctx: Ctx) -> str:
         numbers.update(bare_tok_s=sum(bare) / len(bare), worker_tok_s=sum(worker) / len(worker),
                        bare_runs_tok_s=bare, worker_runs_tok_s=worker, ratio_runs=ratios,
                        worker_stages=run.stages, quarantined=len(run.quarantined))
+        # P2 and the target-alone rate (P6d, P7) are recorded before the diagnostics, which a
+        # part's timeout may cut short (--p2-diagnostics 0 leaves them out)
+        ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
+        ctx.store.benchmark("P2", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
+        if not a.p2_diagnostics:
+            raise _Skip()
         # diagnostics, each against the bare rate above: the worker without its per-batch audit; a
         # consumer in this process that polls every millisecond (the harness before the seventh
         # session); and the input copies as they were before it (blocking: every batch first waited
@@ -644,6 +656,8 @@ def part_p23(ctx: Ctx) -> str:
         ratio = sum(ratios) / len(ratios)
         print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
         ctx.store.benchmark("P2", {"worker_over_bare_forward": ratio}, numbers)
+    except _Skip:
+        print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
     except Exception as e:
         traceback.print_exc()
         failed.append("P2")
