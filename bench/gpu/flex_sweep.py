@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"unknown variant {name!r}")
     shared = torch.compile(flex_attention, dynamic=True)
-    variants += [(f"opts:{o}", shared, json.loads(o)) for o in a.options]
+    explicit = [(f"opts:{o}", shared, json.loads(o)) for o in a.options]
+    # autotune (slow: it compiles and times every configuration) goes last
+    variants = [v for v in variants if v[0] != "autotune"] + explicit + [v for v in variants if v[0] == "autotune"]
     results = {}
     for name, fn, opts in variants:
         try:
