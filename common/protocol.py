@@ -15,7 +15,7 @@ Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one
     R -> S   hello      rid, job, secret, rank, world, pid, start_time, have, epochs, credit, heldout, plan
     S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches, plan{}
     S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch, heldout
-    R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq
+    R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq, corrupt
     S -> R   epoch_end  consumer_epoch, epoch
     R0 -> S  commit     rid, consumer_epoch, secret, have, step
     S -> R   fenced     consumer_epoch, reason
@@ -67,9 +67,10 @@ import msgpack
 
 from common.seqset import SeqSet
 
-PROTOCOL_VERSION = 4             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
+PROTOCOL_VERSION = 5             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
                                  # 3: hello/ack/commit.secret
                                  # 4: hello.plan, welcome.plan
+                                 # 5: ack.corrupt
 MAX_MESSAGE_BYTES = 1 << 20      # default frame limit (ServiceConfig.max_message_bytes)
 INT64_MAX = (1 << 63) - 1
 
@@ -634,7 +635,10 @@ class EpochEnd(Message):
 @message("ack")
 class Ack(Message):
     """Rank -> server: the slot's data is on the rank's device (the ring's ack word is already
-    written; this message only wakes the producer sooner). `seq` repeats the announcement's."""
+    written; this message only wakes the producer sooner). `seq` repeats the announcement's.
+
+    corrupt: the slot's payload failed its checksum on the rank, which did not train it and
+    wrote no ack word: the server frees the slot and computes the batch again."""
 
     consumer_epoch: int = wire(EPOCH)
     secret: str = wire(SECRET)
@@ -642,6 +646,7 @@ class Ack(Message):
     slot: int = wire(SLOT)
     pub_seq: int = wire(SEQ)
     seq: int = wire(SEQ)
+    corrupt: bool = wire(BoolCodec(), default=False)
 
 
 @message("commit")
