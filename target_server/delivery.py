@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -307,6 +308,7 @@ class Session:
     consumer_epoch: int
     job: str
     epochs: int
+    world: int                        # ranks in the trainer's process group
     secret: str = field(repr=False)   # the trainer's session secret: needed to join, ack, commit, widen
     streams: dict[bool, StreamState] = field(default_factory=dict)
     peers: dict[bytes, RankPeer] = field(default_factory=dict)
@@ -318,6 +320,13 @@ class Session:
     @property
     def train(self) -> StreamState:
         return self.streams[TRAIN]
+
+    @property
+    def complete(self) -> bool:
+        """Every rank said HELLO. Each rank's HELLO holds what that rank received (its checkpoint's
+        set plus what it acked since), so only all of them together say what the group holds:
+        until then an announcement could hand one rank a batch another rank already has."""
+        return {p.rank for p in self.peers.values()} >= set(range(self.world))
 
 
 class DeliveryCore:
@@ -392,13 +401,15 @@ class DeliveryCore:
             s.train.want = SeqSet.from_ranges([(0, self.plan.starts[s.epochs])])
             out.append(Replan(TRAIN))
         known = s.peers.get(peer)
-        if known is not None:
-            # A rank that says HELLO again lost track of what it was announced: hand it out afresh
-            # (a slot it already acked is freed by its shared-memory ack, and its HELLO holds it).
-            for key in known.in_hand:
-                s.assigned.pop(key, None)
         s.peers[peer] = RankPeer(identity=peer, rank=msg.rank, world=msg.world, pid=msg.pid,
                                  start_time=msg.start_time, credit=msg.credit, last_seen=now)
+        if known is not None:
+            # A rank that says HELLO again may have lost announcements: announce its slots again
+            # now. They stay its own: one it acked meanwhile (its ack word is written, its HELLO
+            # may not hold it yet) must still count as delivered when it leaves READY.
+            s.peers[peer].in_hand = known.in_hand
+            for key in known.in_hand:
+                s.assigned[key].sent_at = -math.inf
         if msg.rank == 0:   # rank 0 decides the held-out stream: all H batches, to itself, or none
             wanted = msg.heldout and self.heldout_count > 0
             heldout = s.streams[HELDOUT]
@@ -484,7 +495,8 @@ class DeliveryCore:
             out += [Replan(stream) for stream in STREAMS]
         self._sync_deliveries(s, slots)
         out += self._end_epochs(s)
-        out += self._announce(s, now, slots)
+        if s.complete:
+            out += self._announce(s, now, slots)
         return out
 
     def todo(self, stream: bool, busy: set[int], slots: Sequence[SlotView]) -> SeqSet:
@@ -526,7 +538,7 @@ class DeliveryCore:
         epoch = self.next_consumer_epoch
         self.next_consumer_epoch += 1
         train = StreamState(want=SeqSet.from_ranges([(0, self.plan.starts[hello.epochs])]), have=hello.have.copy())
-        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, secret=hello.secret,
+        s = Session(consumer_epoch=epoch, job=hello.job, epochs=hello.epochs, world=hello.world, secret=hello.secret,
                     streams={TRAIN: train, HELDOUT: StreamState(want=None)})   # held-out: rank 0 decides
         self.session = s
         self.events["sessions"] += 1
