@@ -330,7 +330,7 @@ class TargetServer:
                             w.ring.heartbeat()
                     self._apply([Scan()])
                     if self.state == "draining" and self.dispatcher.idle() and (
-                            self.core.session is None or not any(v.ready for v in self.snapshot(reclaim=False))):
+                            self.core.session is None or not any(v.ready and not v.acked for v in self.snapshot(reclaim=False))):
                         self.state = "drained"
                 if now - last_ping >= svc.heartbeat_s:
                     last_ping = now
