@@ -15,7 +15,7 @@ Who sends what (R = trainer rank, S = target server, C = `dfpipe ctl` or any one
     R -> S   hello      rid, job, secret, rank, world, pid, start_time, have, epochs, credit, heldout, plan
     S -> R   welcome    rid, consumer_epoch, rings[], target{}, epoch_sizes[], ready[], heldout_batches, plan{}
     S -> R   announce   consumer_epoch, worker, slot, pub_seq, seq, epoch, heldout
-    R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq
+    R -> S   ack        consumer_epoch, secret, worker, slot, pub_seq, seq, corrupt
     S -> R   epoch_end  consumer_epoch, epoch
     R0 -> S  commit     rid, consumer_epoch, secret, have, step
     S -> R   fenced     consumer_epoch, reason
@@ -67,9 +67,11 @@ import msgpack
 
 from common.seqset import SeqSet
 
-PROTOCOL_VERSION = 4             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
+PROTOCOL_VERSION = 6             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
                                  # 3: hello/ack/commit.secret
                                  # 4: hello.plan, welcome.plan
+                                 # 5: ack.corrupt
+                                 # 6: hello.ranks_here
 MAX_MESSAGE_BYTES = 1 << 20      # default frame limit (ServiceConfig.max_message_bytes)
 INT64_MAX = (1 << 63) - 1
 
@@ -553,7 +555,9 @@ class Hello(Message):
     (the same on every rank, new on every restart), so the server tells a late rank of the running
     session from a new trainer; `secret` proves the rank belongs to that group; `have` = batch seqs
     already in the trainer's model state; `credit` = how many slots this rank may hold un-acked;
-    `heldout` = send this rank the held-out batches (rank 0 only, once per session)."""
+    `heldout` = send this rank the held-out batches (rank 0 only, once per session); `ranks_here` =
+    how many of the group's ranks say HELLO to this server (one host's, with cluster.num_hosts > 1;
+    0: all `world`): a new session is announced to once that many have."""
 
     rid: int = wire(RID)
     job: str = wire(StrCodec(MAX_JOB_LEN, non_empty=True))
@@ -567,10 +571,13 @@ class Hello(Message):
     credit: int = wire(IntCodec(1, MAX_CREDIT))
     heldout: bool = wire(BoolCodec())
     plan: str = wire(PlanIdCodec(allow_empty=True), default="")
+    ranks_here: int = wire(IntCodec(0, MAX_WORLD), default=0)
 
     def _check_fields(self) -> None:
         if self.rank >= self.world:
             raise _field_error("hello.rank", f"must be < world ({self.world})", self.rank)
+        if self.ranks_here > self.world:
+            raise _field_error("hello.ranks_here", f"must be <= world ({self.world})", self.ranks_here)
         if self.heldout and self.rank != 0:
             raise _field_error("hello.heldout", f"only rank 0 asks for held-out batches (rank {self.rank})",
                                self.heldout)
@@ -635,8 +642,9 @@ class EpochEnd(Message):
 class Ack(Message):
     """Rank -> server: the slot's data is on the rank's device (the ring's ack word is already
     written; this message only wakes the producer sooner). `seq` repeats the announcement's.
-    `corrupt`: the payload failed its checksum and was not taken (no ack word written): free the
-    slot and compute the batch again."""
+
+    corrupt: the slot's payload failed its checksum on the rank, which did not train it and
+    wrote no ack word: the server frees the slot and computes the batch again."""
 
     consumer_epoch: int = wire(EPOCH)
     secret: str = wire(SECRET)

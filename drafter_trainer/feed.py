@@ -73,6 +73,8 @@ class RingFeed:
         self.refused_for_plan: dict[str, str | int] | None = None
         self.cfg = cfg
         self.rank, self.world, self.job = rank, world, job
+        # the ranks that say HELLO to this host's server: torchrun's per-node count on a cluster
+        self.ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.cluster.num_hosts > 1 else world
         self._secret = secret
         self.wants_heldout = (rank == 0 and cfg.train.eval_every > 0) if heldout is None else heldout
         self._heldout: dict[int, PackedBatch] = {}   # held-out index -> batch on the device
@@ -213,7 +215,8 @@ class RingFeed:
         chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
                         pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
-                        epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout, plan=self.plan))
+                        epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout, plan=self.plan,
+                        ranks_here=self.ranks_here))
 
     def _on_message(self, chan: DealerChannel, msg) -> None:
         if isinstance(msg, Welcome):
