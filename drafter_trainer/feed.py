@@ -96,6 +96,7 @@ class RingFeed:
         self.welcomed = threading.Event()
         self.consumer_epoch = -1
         self._superseded_epoch = -1
+        self._awaiting_welcome = False   # a HELLO replacing our session is unanswered (see _hello)
         self.rings: dict[int, ConsumerRing] = {}
         self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
                          "reconnects": 0, "heldout": 0, "corrupt_payloads": 0}
@@ -212,6 +213,11 @@ class RingFeed:
             # This HELLO declares every queued batch as held, so a FENCED for the session it replaces
             # (already on its way to us) must not drop them: the next session will not resend them.
             self._superseded_epoch = self.consumer_epoch
+            # Until its answer, an announcement of that session may still be on its way (sent before
+            # the server read this HELLO): taking it would ack under the session this HELLO replaces,
+            # and a new session would deliver the batch again. If the session goes on, the server
+            # announces our slots again after the HELLO.
+            self._awaiting_welcome = True
         chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
                         pid=os.getpid(),
                         start_time=process_start_time(os.getpid()) or 0, have=self.have(),
@@ -222,8 +228,8 @@ class RingFeed:
         if isinstance(msg, Welcome):
             self._on_welcome(msg)
         elif isinstance(msg, Announce):
-            if msg.consumer_epoch != self.consumer_epoch:
-                return  # an announcement for a session that is over
+            if msg.consumer_epoch != self.consumer_epoch or self._awaiting_welcome:
+                return  # an announcement for a session that is over, or that our HELLO replaces
             key = self._pub_key(msg)
             if key in self._seen_pubs:
                 if key in self._corrupt_pubs:   # our hand-back got lost (ZeroMQ is only the doorbell)
@@ -268,6 +274,7 @@ class RingFeed:
         self.welcomed.set()
 
     def _on_welcome(self, msg: Welcome) -> None:
+        self._awaiting_welcome = False
         known = {w: r.producer_epoch for w, r in self.rings.items()}
         fresh = {ri.worker: ri.producer_epoch for ri in msg.rings}
         # A session is (the server's rings, consumer epoch): a restarted server counts epochs from 1 again.
