@@ -142,15 +142,14 @@ class BlockBatch:
         the batch is a single chunk.
         """
         n = self.num_blocks
-        if blocks_per_chunk < 1:
-            raise BlockError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-        if n <= blocks_per_chunk:
+        bounds = chunk_bounds(n, blocks_per_chunk, self.block_size)
+        if len(bounds) == 1:
             return [(self, 0, self.num_context)]
         doc_start = torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
         anchors, docs, starts = torch.stack([self.anchors, self.anchor_doc, doc_start]).tolist()
         out = []
-        for i in range(0, n, blocks_per_chunk):
-            rows = slice(i, min(n, i + blocks_per_chunk))
+        for a, e in bounds:
+            rows = slice(a, e)
             real = [j for j in range(rows.start, rows.stop) if docs[j] >= 0]
             first = starts[real[0]] if real else 0
             end = max(anchors[j] for j in real) if real else 0
@@ -345,6 +344,22 @@ class AttentionLayout:
 
         return create_block_mask(mask_mod, None, None, self.num_queries, self.num_keys,
                                  device=self.query_pos.device, BLOCK_SIZE=block)
+
+
+MIN_LAST_CHUNK_QUERIES = 256   # two of flex attention's 128-row query tiles
+
+
+def chunk_bounds(n: int, blocks_per_chunk: int, block_size: int) -> list[tuple[int, int]]:
+    """[first, end) block rows of each chunk: `blocks_per_chunk` at a time, except that a last
+    chunk of fewer than MIN_LAST_CHUNK_QUERIES block tokens joins the one before it. Dynamo
+    specialises a size of 1: a last chunk of one query tile would compile the layers once more for
+    every such batch (on the H200 the trainer reached dynamo's recompile limit)."""
+    if blocks_per_chunk < 1:
+        raise BlockError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+    bounds = [(i, min(n, i + blocks_per_chunk)) for i in range(0, max(n, 1), blocks_per_chunk)]
+    if len(bounds) > 1 and (bounds[-1][1] - bounds[-1][0]) * block_size < MIN_LAST_CHUNK_QUERIES:
+        bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
+    return bounds
 
 
 def _segments(blocks: BlockBatch, blocks_per_segment: int) -> list[tuple[int, int, int, int]]:

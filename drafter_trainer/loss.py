@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from common.batch import PackedBatch
-from drafter_trainer.blocks import BlockBatch
+from drafter_trainer.blocks import BlockBatch, chunk_bounds
 from drafter_trainer.model import ContextError, DFlashDraftModel
 from drafter_trainer.target_head import TargetHeadError
 
@@ -140,8 +140,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], chunk):
-                rows = slice(start, start + chunk)
+            start, n = 0, hidden.shape[0]
+            while start < n:
+                end = min(n, start + chunk)
+                if n - end == 1:
+                    end = n   # no one-row last piece: dynamo would specialise its size and compile again
+                rows = slice(start, end)
+                start = end
                 logits = hidden[rows].to(weight.dtype) @ weight.t()
                 chunk_ce, correct[rows], grad_logits = cross_entropy(logits, labels[rows], row_weights[rows],
                                                                      need_grad)
@@ -275,9 +280,9 @@ def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor
     prepare the next chunk's masks while the device runs the last one."""
     b = blocks.block_size
     rows = (blocks.weights.reshape(-1) > 0).nonzero().squeeze(1)
-    starts = torch.arange(0, blocks.num_blocks, per_chunk, device=rows.device)
-    bounds = [*torch.searchsorted(rows, starts * b).tolist(), rows.numel()]
-    return [rows[bounds[i]:bounds[i + 1]] - i * per_chunk * b for i in range(len(starts))]
+    first = [a for a, _ in chunk_bounds(blocks.num_blocks, per_chunk, b)]   # as BlockBatch.chunks cuts them
+    bounds = [*torch.searchsorted(rows, torch.tensor(first, device=rows.device) * b).tolist(), rows.numel()]
+    return [rows[bounds[i]:bounds[i + 1]] - a * b for i, a in enumerate(first)]
 
 
 def implied_acceptance_length(acc_per_pos: torch.Tensor) -> float:

@@ -180,3 +180,32 @@ def test_step_activations_grow_with_the_chunk_not_with_the_anchor_count():
     assert unchunked[16] > 8 * unchunked[1]
     assert peaks[16] < 1.25 * peaks[1]
     assert peaks[16] < unchunked[16] / 4
+
+
+def test_a_short_last_chunk_joins_the_one_before_it():
+    """Dynamo specialises a size of 1: a last chunk of a single 128-query flex tile would compile
+    the layers again for every such batch, so it never stands alone (a single chunk may be short)."""
+    from drafter_trainer.blocks import MIN_LAST_CHUNK_QUERIES, chunk_bounds
+
+    assert chunk_bounds(1030, 512, 16) == [(0, 512), (512, 1030)]          # 6 blocks left: joined
+    assert chunk_bounds(1040, 512, 16) == [(0, 512), (512, 1024), (1024, 1040)]   # 16 blocks: 256 queries
+    assert chunk_bounds(5, 512, 16) == [(0, 5)]
+    for n, per, b in [(1, 1, 16), (37, 4, 4), (600, 32, 16), (1000, 7, 16)]:
+        bounds = chunk_bounds(n, per, b)
+        assert [a for a, _ in bounds][0] == 0 and bounds[-1][1] == n
+        assert all(e == a2 for (_, e), (a2, _) in zip(bounds, bounds[1:]))
+        assert len(bounds) == 1 or (bounds[-1][1] - bounds[-1][0]) * b >= min(MIN_LAST_CHUNK_QUERIES, per * b)
+
+
+def test_the_loss_pieces_never_leave_one_row_alone_and_sum_the_same():
+    from drafter_trainer.loss import _ChunkedLinearCrossEntropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 8, generator=g, requires_grad=True)
+    weight, labels, w = torch.randn(11, 8, generator=g), torch.randint(0, 11, (9,), generator=g), torch.rand(9, generator=g)
+    whole, hits = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, w, 9, True)
+    pieces, hits4 = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, w, 4, True)   # 4 + 5, not 4 + 4 + 1
+    assert torch.allclose(whole, pieces, rtol=1e-6) and torch.equal(hits, hits4)
+    (grad_whole,) = torch.autograd.grad(whole, hidden)
+    (grad_pieces,) = torch.autograd.grad(pieces, hidden)
+    assert torch.allclose(grad_whole, grad_pieces, rtol=1e-6, atol=1e-7)
