@@ -127,6 +127,12 @@ def ctl(endpoint: str, cmd: str, timeout: float = 2.0, curve: CurveKeys | None =
     return reply.result if reply.ok else {"error": reply.error}
 
 
+def serving(endpoint: str) -> dict[str, Any] | None:
+    """The target server's status once it serves (for wait_for), else None."""
+    s = ctl(endpoint, "status")
+    return s if s and s.get("state") == "serving" else None
+
+
 def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     last = None

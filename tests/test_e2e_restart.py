@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e import CACHE, DEMO, Service, assert_exactly_once, ctl, inspect_run, load, wait_for, write_config
+from e2e import CACHE, DEMO, Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _serving(endpoint: str):
-    s = ctl(endpoint, "status")
-    return s if s and s.get("state") == "serving" else None
 
 
 def _trained_at_least(endpoint: str, n: int):
@@ -37,7 +32,7 @@ def _serving_target_and_trainer(config: Path, tmp_path: Path, services: list[Ser
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     services.append(target)
-    wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+    wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
     tr = Service("trainer", config, tmp_path)
     services.append(tr)
     wait_for(lambda: _trained_at_least(cfg["service"]["trainer_endpoint"], 4), 180, "trainer past 4 batches")
@@ -51,7 +46,7 @@ def test_trainer_killed_repeatedly_still_trains_every_sample_exactly_once(tmp_pa
     target = Service("target-server", config, tmp_path)
     trainers: list[Service] = []
     try:
-        first = wait_for(lambda: _serving(ep_target), 180, "target serving")
+        first = wait_for(lambda: serving(ep_target), 180, "target serving")
         rng = random.Random(1234)
         goal = 0
         for i in range(6):
@@ -190,7 +185,7 @@ def test_a_really_full_tmpfs_costs_each_save_and_never_the_run(tmp_path: Path, s
     try:
         target = Service("target-server", config, tmp_path)
         services.append(target)
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         full = Service("trainer", config, tmp_path)
         services.append(full)
         assert full.wait(300) == 4, full.log()       # handled: "no final checkpoint", not a crash
@@ -216,7 +211,7 @@ def test_a_full_disk_fails_checkpoints_without_losing_a_sample_and_a_lasting_one
     try:
         target = Service("target-server", config, tmp_path)
         services.append(target)
-        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        wait_for(lambda: serving(ep_target), 180, "target serving")
         # the disk stays full: three periodic saves fail, the trainer stops with status 4
         # (its final save fails too) and leaves no half-written folder behind
         full = Service("trainer", config, tmp_path, env={"DFPIPE_FAULT": "checkpoint.write:99"})
@@ -276,7 +271,7 @@ def test_a_changed_data_plan_is_refused_naming_it_and_new_plan_starts_a_new_acco
         # the target comes back with another seed: the same seqs now hold other documents
         target2 = Service("target-server", config, tmp_path, overrides=["data.seed=1"])
         services.append(target2)
-        new_plan = wait_for(lambda: _serving(ep_target), 180, "target serving the new plan")["plan"]
+        new_plan = wait_for(lambda: serving(ep_target), 180, "target serving the new plan")["plan"]
         assert new_plan["id"] != old_plan["id"] and new_plan["data.seed"] == 1
         before = _files(out_dir)
         refused = Service("trainer", config, tmp_path)

@@ -16,14 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from e2e import REPO, Service, assert_exactly_once, ctl, inspect_run, load, wait_for, write_config, write_heldout
+from e2e import (REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for, write_config,
+                 write_heldout)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _serving(endpoint: str):
-    s = ctl(endpoint, "status")
-    return s if s and s.get("state") == "serving" else None
 
 
 def _cuda_devices() -> int:
@@ -53,7 +49,7 @@ def test_two_ranks_in_lockstep_train_every_sampleassert_exactly_once(tmp_path: P
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     try:
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         ranks = Torchrun(config, tmp_path, nproc=2)
         try:
             assert ranks.wait(600) == 0, ranks.log()
@@ -78,7 +74,7 @@ def test_a_hung_trainer_is_fenced_and_rejoins_without_losing_or_repeating_a_samp
     target = Service("target-server", config, tmp_path)
     trainer = None
     try:
-        wait_for(lambda: _serving(ep_target), 180, "target serving")
+        wait_for(lambda: serving(ep_target), 180, "target serving")
         trainer = Service("trainer", config, tmp_path)
         wait_for(lambda: (s := ctl(ep_trainer, "status")) and s.get("batches_trained", 0) >= 3 and s, 180,
                  "trainer stepping")
@@ -106,7 +102,7 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     try:
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         # an absurd learning rate blows the weights up after one step: every later loss is non-finite
         trainer = Service("trainer", config, tmp_path, overrides=["train.lr=1e30", "train.max_bad_steps=3",
                                                                   "train.warmup_ratio=0.0"])
@@ -135,7 +131,7 @@ def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing
 
     target = Service("target-server", config, tmp_path)
     try:
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         # stopped while the compile thread runs: a clean exit (0) with its checkpoint
         first = Service("trainer", config, tmp_path, env=env)
         wait_for(stepped, 180, "the first trainer's first step")
@@ -179,7 +175,7 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     try:
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         trainer = Service("trainer", config, tmp_path)
         status = wait_for(lambda: (s := ctl(cfg["service"]["trainer_endpoint"], "status")) and s.get("eval") and s,
                           180, "a held-out eval in the trainer status")

@@ -19,7 +19,7 @@ from common.checksum import (ChecksumMismatch, as_meta, check_payload, payload_c
 from common.protocol import Ack, Announce, EpochEnd
 from common.ring import ConsumerRing, SlotState
 from common.seqset import SeqSet
-from e2e import REPO, Service, assert_exactly_once, ctl, load, wait_for, write_config, write_heldout
+from e2e import REPO, Service, assert_exactly_once, ctl, load, serving, wait_for, write_config, write_heldout
 from test_target_server import ScriptedConsumer
 
 INT64 = 1 << 64
@@ -122,11 +122,6 @@ def test_the_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
 
 # ---- the services --------------------------------------------------------------------------------
 
-def _serving(endpoint: str):
-    s = ctl(endpoint, "status")
-    return s if s and s.get("state") == "serving" else None
-
-
 def _full_ring(endpoint: str, slots: int):
     s = ctl(endpoint, "status")
     return s if s and s["ring"][0]["slots"]["READY"] == slots else None
@@ -149,7 +144,7 @@ def test_the_server_frees_a_slot_handed_back_as_corrupt_and_computes_it_again(tm
     server = Service("target-server", config, tmp_path)
     consumer = None
     try:
-        total = sum(wait_for(lambda: _serving(endpoint), 180, "target serving")["epoch_sizes"])
+        total = sum(wait_for(lambda: serving(endpoint), 180, "target serving")["epoch_sizes"])
         consumer = ScriptedConsumer(endpoint, SeqSet(), job="handback", heldout=True)
 
         def corrupt_ack(a: Announce, pub_seq: int) -> None:
@@ -202,7 +197,7 @@ def test_flipped_payload_bytes_in_ready_slots_are_never_trained_and_computed_aga
     target = Service("target-server", config, tmp_path)
     trainer = None
     try:
-        wait_for(lambda: _serving(endpoint), 180, "target serving")
+        wait_for(lambda: serving(endpoint), 180, "target serving")
         status = wait_for(lambda: _full_ring(endpoint, slots), 180, "every slot READY before a trainer connects")
         total = sum(status["epoch_sizes"])
         ring = ConsumerRing.attach(status["ring"][0]["path"], cuda_register="off")

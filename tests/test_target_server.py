@@ -22,7 +22,7 @@ from common.metrics import StageTimes
 from common.protocol import Ack, Announce, EpochEnd, Fenced, Hello, Reply, Welcome, new_session_secret, next_rid
 from common.ring import ConsumerRing
 from common.seqset import SeqSet
-from e2e import Service, ctl, load, wait_for, write_config, write_heldout
+from e2e import Service, ctl, load, serving, wait_for, write_config, write_heldout
 from target_server.delivery import Dispatcher
 from target_server.worker import TargetWorker, audit_hidden
 
@@ -108,18 +108,13 @@ class ScriptedConsumer:
         self.chan.close()
 
 
-def _serving(endpoint: str):
-    s = ctl(endpoint, "status")
-    return s if s and s.get("state") == "serving" else None
-
-
 @pytest.fixture
 def two_worker_server(tmp_path: Path):
     config = write_config(tmp_path, samples=60, target={"devices": ["cpu", "cpu"]})
     cfg = load(config)
     server = Service("target-server", config, tmp_path)
     try:
-        status = wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        status = wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         yield cfg, server, status
     finally:
         server.stop()
@@ -185,7 +180,7 @@ def test_heldout_batches_reach_every_session_that_asks_and_are_never_delivered_a
         consumer.close()
 
     try:
-        status = wait_for(lambda: _serving(endpoint), 180, "target serving")
+        status = wait_for(lambda: serving(endpoint), 180, "target serving")
         total = sum(status["epoch_sizes"])
         assert status["heldout"]["batches"] == h and total >= 4
 
@@ -303,7 +298,7 @@ def test_prometheus_endpoint_exports_the_status_numbers(tmp_path: Path) -> None:
     cfg = load(config)
     server = Service("target-server", config, tmp_path)
     try:
-        wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "dfpipe_target_model_loads 1.0" in body
         assert "dfpipe_target_batches_produced" in body
@@ -449,7 +444,7 @@ def test_a_second_server_is_refused_before_it_loads_and_a_hello_of_another_plan_
     endpoint = cfg["service"]["target_endpoint"]
     first = Service("target-server", config, tmp_path)
     try:
-        status = wait_for(lambda: _serving(endpoint), 180, "target serving")
+        status = wait_for(lambda: serving(endpoint), 180, "target serving")
         assert "loading the target" in first.log(tail=10_000)
         # the same rings, another endpoint: refused on the ring's producer role, before data or model
         second = Service("target-server", config, tmp_path,

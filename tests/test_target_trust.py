@@ -16,15 +16,10 @@ from common.channel import CurveKeys, DealerChannel, make_curve_keys
 from common.liveness import process_start_time
 from common.protocol import Ack, Commit, Hello, Reply, new_session_secret, next_rid, secret_tag
 from common.seqset import SEQ_LIMIT, SeqSet
-from e2e import Service, assert_exactly_once, ctl, load, wait_for, write_config
+from e2e import Service, assert_exactly_once, ctl, load, serving, wait_for, write_config
 from test_target_server import ScriptedConsumer
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _serving(endpoint: str):
-    s = ctl(endpoint, "status")
-    return s if s and s.get("state") == "serving" else None
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     cfg = load(config)
     service = Service("target-server", config, tmp)
     try:
-        status = wait_for(lambda: _serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        status = wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
         yield cfg["service"]["target_endpoint"], service, status, cfg["service"]
     finally:
         service.stop()
