@@ -281,7 +281,10 @@ def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor
     b = blocks.block_size
     rows = (blocks.weights.reshape(-1) > 0).nonzero().squeeze(1)
     first = [a for a, _ in chunk_bounds(blocks.num_blocks, per_chunk, b)]   # as BlockBatch.chunks cuts them
-    bounds = [*torch.searchsorted(rows, torch.tensor(first, device=rows.device) * b).tolist(), rows.numel()]
+    # chunks start every per_chunk blocks: an arange made on the device, where a tensor of `first`
+    # would be a host-to-device copy, which waits like a read
+    starts = torch.arange(len(first), device=rows.device) * (per_chunk * b)
+    bounds = [*torch.searchsorted(rows, starts).tolist(), rows.numel()]
     return [rows[bounds[i]:bounds[i + 1]] - a * b for i, a in enumerate(first)]
 
 

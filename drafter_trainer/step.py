@@ -134,13 +134,16 @@ def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | Non
     out = None
     if blocks is not None and float(global_w) > 0:
         with settings.autocast(device):
+            # filled on the device from the host value: a copy of the CPU tensor would be a sync
             out = dflash_loss(model, batch, blocks, settings.loss_chunk,
-                              weight_norm=global_w.to(device, torch.float32),
+                              weight_norm=torch.full((), float(global_w), device=device, dtype=torch.float32),
                               blocks_per_chunk=settings.blocks_per_chunk, backward=True)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     allreduce_grads(ranks, params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip) if params else torch.zeros(())
-    ok = bool(torch.isfinite(grad_norm)) and (out is None or bool(torch.isfinite(out.loss)))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip) if params else torch.zeros((), device=device)
+    checked = grad_norm.detach().float().reshape(1) if out is None else \
+        torch.stack([grad_norm.detach().float(), out.loss.detach().float()])
+    ok = bool(torch.isfinite(checked).all())    # one device read for both
     applied = float(ranks.sum_(torch.tensor([float(ok)]))) == ranks.world
     if applied:
         set_lr(optimizer, lr)

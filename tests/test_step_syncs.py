@@ -15,12 +15,14 @@ from drafter_trainer.step import Ranks, StepSettings, train_step
 from common.config import TrainConfig
 from test_drafter_model import MASK, make_batch, make_model, tiny_config
 
-# weight sum (.cpu), check_context (any), check_token_ids (aminmax), loss rows (nonzero + bounds),
-# chunk bounds, anchor count, finite check (grad norm, loss)
-SYNCS_PER_STEP = 9
+# weight sum (.cpu), check_context (any), check_token_ids (aminmax), loss rows (nonzero, then
+# their chunk bounds), the chunks' anchors (BlockBatch.chunks), anchor count, finite check
+# (grad norm and loss together)
+SYNCS_PER_STEP = 8
 
 
-def count_syncs(per_chunk: int) -> tuple[int, int, list[str]]:
+def count_syncs(per_chunk: int) -> tuple[list[str], int]:
+    """Where one step syncs (file:line per sync, after a step that compiled), and its chunk count."""
     torch.manual_seed(0)
     model = make_model(tiny_config(block_size=16), attn_impl="auto").cuda()
     batch = make_batch([120, 200, 90, 250], seed=1).to("cuda")
@@ -42,13 +44,13 @@ def count_syncs(per_chunk: int) -> tuple[int, int, list[str]]:
     assert result.applied
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     chunks = -(-blocks.num_blocks // per_chunk)
-    return len(syncs), chunks, syncs
+    return syncs, chunks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host syncs are a device matter")
 def test_cuda_step_syncs_a_fixed_few_times_none_per_chunk():
-    few, few_chunks, _ = count_syncs(per_chunk=32)
-    many, many_chunks, where = count_syncs(per_chunk=8)
+    few, few_chunks = count_syncs(per_chunk=32)
+    many, many_chunks = count_syncs(per_chunk=8)
     assert many_chunks >= 3 * few_chunks > 4
-    assert many == few, f"syncs grow with the chunks: {few} with {few_chunks} chunks, {many} with {many_chunks}: {where}"
-    assert many <= SYNCS_PER_STEP, where
+    assert len(many) <= len(few), f"syncs grow with the chunks: {few_chunks} chunks {few}, {many_chunks} chunks {many}"
+    assert len(few) <= SYNCS_PER_STEP, few

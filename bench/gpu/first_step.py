@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-chunk", type=int, default=8192)
     p.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the script itself")
     p.add_argument("--attn", default="flex", help="drafter.attn (the eager steps' path follows from it)")
+    p.add_argument("--segment-rows", type=int, default=0, help="the split path's query rows per segment (0: the model's)")
     a = p.parse_args(argv)
 
     from bench.gpu.drafter_rig import DrafterRig
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     rig = DrafterRig(manifest, device, a.layers, a.block, a.anchors, a.loss_chunk, seed=0, attn=a.attn,
                      compile_mode="off")
     rig.model.attn_impl = eager_attention(a.attn, device, rig.config.head_dim)
+    if a.segment_rows:
+        rig.model.segment_rows = a.segment_rows
+    out.update(attn=rig.model.attn_impl, segment_rows=rig.model.segment_rows)
     fixtures.synchronize(device)
     out["build_s"] = time.perf_counter() - t
     (batch, _), = rig.dataset_work([0])
