@@ -4,6 +4,7 @@ batch, the finite check), none per chunk of blocks. A sync per chunk would stall
 the host prepares every next chunk, and at the published density a batch has dozens of chunks."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -42,7 +43,11 @@ def count_syncs(per_chunk: int) -> tuple[list[str], int]:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert result.applied
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    # On the H200 (torch 2.11) the first counted step of a process also reported one sync from
+    # torch/cuda/__init__.py, before the step's first line and never again in that process: torch's
+    # own, once, not the step's.
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+             and not w.filename.replace(os.sep, "/").endswith("torch/cuda/__init__.py")]
     chunks = -(-blocks.num_blocks // per_chunk)
     return syncs, chunks
 
