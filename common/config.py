@@ -75,7 +75,6 @@ class DrafterConfig:
     split_fc: bool = False
     attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, flex on CUDA
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
-    warm_up: str = "behind"             # behind: step eagerly while compiling in the background | off
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
     num_heads: int = 0                  # 0: the target's attention heads
@@ -208,12 +207,22 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+# Keys an older config may still hold, and why they went.
+REMOVED_KEYS = {
+    "drafter.warm_up": "a compiling trainer always takes its first steps eagerly while its kernels compile "
+                       "in the background (compiling before the first step took twice as long to it)",
+}
+
+
 def _fill(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for key in (prefix + k for k in unknown):
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{key} no longer exists: {REMOVED_KEYS[key]}; delete it from the config")
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(prefix + k for k in unknown)}")
     kwargs = {}
@@ -262,7 +271,6 @@ def validate(cfg: Config) -> Config:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
     need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex"), "drafter.attn: auto | split | sdpa | flex")
     need(cfg.drafter.compile in ("auto", "off", "on"), "drafter.compile: auto | off | on")
-    need(cfg.drafter.warm_up in ("behind", "off"), "drafter.warm_up: behind | off")
     need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,

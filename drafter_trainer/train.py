@@ -143,24 +143,22 @@ def drafter_gamma(cfg: Config) -> float:
     return cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
 
 
-def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, times: dict[str, float] | None = None,
-                  warm_up: str | None = None) -> tuple[DFlashDraftModel, CompileBehind | None]:
-    """The drafter for `target` (WELCOME's target info: model_path, layer_ids), and the background
-    compile it steps behind, if any; `times` gets the seconds of the build and of reading the
-    target's embedding and head (which run side by side).
+def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, times: dict[str, float] | None = None
+                  ) -> tuple[DFlashDraftModel, CompileBehind | None]:
+    """The drafter for `target` (WELCOME's target info: model_path, layer_ids), eager, and the
+    background compile its first steps run beside (`CompileBehind`; None when nothing compiles);
+    `times` gets the seconds of the build and of reading the target's embedding and head (which
+    run side by side).
 
-    warm_up (default `drafter.warm_up`): "behind" returns the model eager and a `CompileBehind`
-    that compiles its kernels beside the first steps (nothing to compile: neither); "off" returns
-    it compiling in place, so the first step compiles. (Compiling everything before the first step
-    took 33 s to the first step at the 27B shape and the published anchor density, against 16 s
-    behind: docs/benchmarks.md.)
+    The one start-up path: at the 27B shape and the published anchor density a restart's first
+    step came 14 s after the process started this way, and 33 s when the first step compiled
+    (docs/benchmarks.md).
     """
     target_dir = target["model_path"]
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
         target_config = json.load(f)
     dcfg = DFlashConfig.from_target(target_config, cfg.drafter, list(target["layer_ids"]),
                                     mask_token_id(cfg, target_dir))
-    mode = warm_up or cfg.drafter.warm_up
     t0 = time.perf_counter()
 
     def read_head() -> tuple[TargetHead, float]:
@@ -175,13 +173,9 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
         # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
         with device:
             model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
-        if mode == "behind":
-            if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
-                behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
-                                       cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
-        else:
-            # compile_for is lazy but imports dynamo and inductor (seconds on the H200): beside the head read
-            model.compile_for(device, cfg.drafter.compile)
+        if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
+            behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
+                                   cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
         t1 = time.perf_counter()
         head, head_s = reading.result()   # re-raises the reader's error (a missing or mis-shaped head)
         model.set_target_head(head.embed_tokens, None if head.tied else head.lm_head)

@@ -1,4 +1,4 @@
-"""Compile the drafter's kernels beside a restarted trainer's first steps (`drafter.warm_up: behind`).
+"""Compile the drafter's kernels beside a trainer's first steps: the trainer's one start-up path.
 
 A trainer's first step on CUDA pays for compiling its kernels: flex attention, the compiled
 layers and the fused cross-entropy (`drafter.compile`), Triton's autotuning of them, and cuBLAS's

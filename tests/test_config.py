@@ -19,6 +19,11 @@ def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "train:\n  lrr: 0.1\n"))
 
 
+def test_a_removed_key_says_why_it_went(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"drafter.warm_up no longer exists: .*compile.*delete it"):
+        load_config(_write(tmp_path, "drafter:\n  warm_up: off\n"))
+
+
 def test_wrong_type_is_an_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="data.token_budget: expected int"):
         load_config(_write(tmp_path, "data:\n  token_budget: lots\n"))

@@ -2,8 +2,8 @@
 
     python bench/gpu/first_step.py --workdir W --out-json F [--reserve] [--profile F.txt]
 
-A fresh process builds the drafter as the trainer does with `drafter.warm_up: behind` (eager,
-dense-mask SDPA where flex is the compiled path; the trainer's AdamW; dynamo imported before the
+A fresh process builds the drafter as the trainer starts it (eager: the split path where flex
+is the compiled one, unless --attn says otherwise; the trainer's AdamW; dynamo imported before the
 steps, none beside them), then times three steps on one of the fixtures' packed batches, each phase behind a
 device synchronize: blocks, then the trainer's whole step (`train_step`: forward and backward interleave chunk by chunk). Also recorded: the caching
 allocator's device allocations (cudaMalloc calls) and reserved bytes after each step.

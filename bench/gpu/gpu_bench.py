@@ -748,7 +748,6 @@ def part_services(ctx: Ctx) -> str:
                        block=a.block, drafter_layers=a.drafter_layers, loss_chunk=a.loss_chunk,
                        audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
                        cold_triton=a.cold_triton, step_timeout_s=a.step_timeout,
-                       warm_modes=tuple(a.warm_modes.split(",")),
                        attn=a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get(
                            "best_attn") or "auto")
     figures: dict[str, Any] = {}
@@ -764,10 +763,9 @@ def part_services(ctx: Ctx) -> str:
         numbers = {k: figures.get(k) for k in ("warm_first_step_s", "cold_first_step_s", "target_load_s",
                                                "target_warmup_s", "cold_triton_cache", "device",
                                                "cold_compiled_median_step_s")}
-        for mode in plan.warm_modes:   # each warm start-up: first step, compiled from, compiled step time
-            got = figures.get(f"warm_{mode}") or {}
-            numbers.update({f"{mode}_{k}": got.get(k) for k in ("first_step_s", "compiled_after_s",
-                                                                "compiled_median_step_s", "eager_steps")})
+        warm = figures.get("warm") or {}   # the warm start-up: first step, compiled from, compiled step time
+        numbers.update({f"warm_{k}": warm.get(k) for k in ("first_step_s", "compiled_after_s",
+                                                           "compiled_median_step_s", "eager_steps")})
         ctx.store.benchmark("P4", {"warm_over_cold_first_step": figures["warm_over_cold_first_step"]}, numbers)
     else:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
@@ -1145,8 +1143,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target.audit_every for the worker and the services (configs/gpu.yaml: 200)")
     p.add_argument("--cold-triton", choices=["fresh", "shared"], default="fresh",
                    help="P4 cold start with an empty Triton cache (a new host) or the run's warm one")
-    p.add_argument("--warm-modes", default="behind",
-                   help="services: drafter.warm_up of each warm restart, in order (behind,off: the A/B of the two)")
     p.add_argument("--part-budget", type=float, default=300.0, help="seconds this part may take (run_all.sh sets it)")
     for name, value in FULL.items():
         flag = "--" + name.replace("_", "-")

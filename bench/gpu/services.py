@@ -7,11 +7,10 @@ Timeline of one run (one target-server lifetime):
         trainer A's first optimizer step (metrics.jsonl record 1)        -> cold = its time - t0
         trainer A trains next to the server for --p6-seconds              -> together tok/s (P6)
         SIGKILL trainer A (a crash; SIGTERM would write a 20 GB final checkpoint)
-    t1  start trainer B (fresh out_dir, nothing to resume), drafter.warm_up behind
+    t1  start trainer B (fresh out_dir, nothing to resume): eager first steps, compiling behind
         trainer B's first optimizer step                                  -> warm = its time - t1
         its switch to the compiled step, then 6 compiled steps          -> against trainer A's
         SIGKILL trainer B
-        the same again with drafter.warm_up before (the A/B of the two start-ups)
         SIGTERM the server (it unlinks its ring)
 
 Trainer A steps eagerly until its background compile is ready: the P6 window starts after its
@@ -63,7 +62,6 @@ class ServicePlan:
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
     step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
-    warm_modes: tuple[str, ...] = ("behind",)   # drafter.warm_up of each warm restart, in order
     target_devices: list[str] | None = None    # placement; None: [device]
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
@@ -394,14 +392,13 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
     def left() -> float:
         return max(1.0, deadline - time.monotonic())
 
-    def trainer_args(run: str, warm_up: str = "behind") -> list[str]:
-        return ["trainer", "-c", cfg_path, "--set", f"train.out_dir={os.path.join(plan.workdir, run)}",
-                "--set", f"drafter.warm_up={warm_up}"]
+    def trainer_args(run: str) -> list[str]:
+        return ["trainer", "-c", cfg_path, "--set", f"train.out_dir={os.path.join(plan.workdir, run)}"]
 
     sampler = ProductionSampler(cfg.service.target_endpoint)
     endpoint = cfg.service.trainer_endpoint
     try:
-        for run in ("run-cold", *(f"run-warm-{mode}" for mode in plan.warm_modes)):
+        for run in ("run-cold", "run-warm"):
             shutil.rmtree(os.path.join(plan.workdir, run), ignore_errors=True)
         t0 = time.time()
         sampler.start()
@@ -436,34 +433,33 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         cold_step_s = median_step_s(rows, skip)
         figures["cold_compiled_median_step_s"] = cold_step_s
         children.kill("trainer-cold")
-        for mode in plan.warm_modes:   # a trainer restart against the warm target, per drafter.warm_up
-            name, run = f"trainer-warm-{mode}", f"run-warm-{mode}"
-            metrics = os.path.join(plan.workdir, run, "metrics.jsonl")
-            t1 = time.time()
-            children.spawn(name, trainer_args(run, mode), trainer_env)
-            rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.step_timeout_s, left()),
-                                also_alive=("target",))
-            first = rows[0]["time"] - t1
-            got = {"first_step_s": first, "over_cold_first_step": first / figures["cold_first_step_s"],
-                   "startup": (try_status(endpoint, timeout_s=5.0) or {}).get("startup")}
-            print(f"warm restart ({mode}): first optimizer step {first:.1f}s after the trainer started", flush=True)
-            # then: when it runs compiled, and whether its compiled steps are as fast as the cold trainer's
-            state, seen = wait_compiled(children, name, endpoint, min(120.0, left()))
-            got.update(compile=state, compiled_after_s=seen - t1 if state.get("state") == "compiled" else None)
-            skip = steps_after(state, 2) if "timed_out_s" not in state else len(read_metrics(metrics)) + 2
-            rows = wait_metrics(children, name, metrics, lambda r: len(r) >= skip + 6, min(60.0, left()),
-                                also_alive=("target",))
-            got["compiled_median_step_s"] = median_step_s(rows, skip)
-            got["compiled_step_over_cold"] = got["compiled_median_step_s"] / cold_step_s
-            got["eager_steps"] = int(state.get("at_step") or 0)
-            figures[f"warm_{mode}"] = got
-            children.kill(name)
-            print(f"warm restart ({mode}): compiled after {got['compiled_after_s'] or float('nan'):.1f}s; compiled "
-                  f"steps {got['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)
-        first_mode = figures[f"warm_{plan.warm_modes[0]}"]
-        figures["warm_first_step_s"] = first_mode["first_step_s"]
-        figures["warm_startup"] = first_mode["startup"]
-        figures["warm_over_cold_first_step"] = first_mode["over_cold_first_step"]
+        # a trainer restart against the warm target
+        name, run = "trainer-warm", "run-warm"
+        metrics = os.path.join(plan.workdir, run, "metrics.jsonl")
+        t1 = time.time()
+        children.spawn(name, trainer_args(run), trainer_env)
+        rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.step_timeout_s, left()),
+                            also_alive=("target",))
+        first = rows[0]["time"] - t1
+        warm = {"first_step_s": first, "over_cold_first_step": first / figures["cold_first_step_s"],
+                "startup": (try_status(endpoint, timeout_s=5.0) or {}).get("startup")}
+        print(f"warm restart: first optimizer step {first:.1f}s after the trainer started", flush=True)
+        # then: when it runs compiled, and whether its compiled steps are as fast as the cold trainer's
+        state, seen = wait_compiled(children, name, endpoint, min(120.0, left()))
+        warm.update(compile=state, compiled_after_s=seen - t1 if state.get("state") == "compiled" else None)
+        skip = steps_after(state, 2) if "timed_out_s" not in state else len(read_metrics(metrics)) + 2
+        rows = wait_metrics(children, name, metrics, lambda r: len(r) >= skip + 6, min(60.0, left()),
+                            also_alive=("target",))
+        warm["compiled_median_step_s"] = median_step_s(rows, skip)
+        warm["compiled_step_over_cold"] = warm["compiled_median_step_s"] / cold_step_s
+        warm["eager_steps"] = int(state.get("at_step") or 0)
+        figures["warm"] = warm
+        children.kill(name)
+        print(f"warm restart: compiled after {warm['compiled_after_s'] or float('nan'):.1f}s; compiled "
+              f"steps {warm['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)
+        figures["warm_first_step_s"] = warm["first_step_s"]
+        figures["warm_startup"] = warm["startup"]
+        figures["warm_over_cold_first_step"] = warm["over_cold_first_step"]
         return figures
     finally:
         wind_up(children, sampler, "", 60_000)
