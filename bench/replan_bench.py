@@ -3,8 +3,9 @@
   python bench/replan_bench.py [--batches-per-epoch 40000,300000] [--epochs 6] [--repeats 3]
 
 For a plan of E epochs of N batches, a third of it already held, a few seqs quarantined, in a
-slot or being computed: the time and peak Python memory of `Dispatcher.replan(outstanding)` as
-shipped (pending work as seq ranges), against the same step with one int per seq in a sorted
+slot or being computed: the time and peak Python memory of the server's replan as shipped
+(`Dispatcher.replan` of `DeliveryCore.todo` for a session that said HELLO: pending work as seq
+ranges), against the same step with one int per seq in a sorted
 deque (dfpipe before commit c5e1bed; kept here, and only here, as the baseline). The replan runs
 in the server's loop under the dispatcher's lock: no worker takes work and no message is handled
 while it runs.
@@ -22,8 +23,9 @@ from collections import deque
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from common.protocol import Hello, plan_id  # noqa: E402
 from common.seqset import SeqSet  # noqa: E402
-from target_server.delivery import Dispatcher, EpochPlan, outstanding  # noqa: E402
+from target_server.delivery import TRAIN, DeliveryCore, Dispatcher, EpochPlan, SlotView  # noqa: E402
 
 
 def per_seq_baseline(plan: EpochPlan, have: SeqSet, quarantined: SeqSet, in_ring: set[int],
@@ -59,10 +61,15 @@ def main() -> int:
         quarantined = SeqSet([plan.total // 2, plan.total // 2 + 5])
         in_ring = {plan.total // 3 + i for i in (0, 2, 4)}
         computing = {plan.total // 3 + 1}
+        core = DeliveryCore(lambda e, n=n: [n] * e, {"data": "bench", "id": plan_id({"data": "bench"})}, lease_s=60.0, announce_retry_s=1.0)
+        core.on_hello(b"rank0", Hello(rid=1, job="bench", secret="ab" * 16, rank=0, world=1, pid=1, start_time=1,
+                                      have=have, epochs=args.epochs, credit=4, heldout=False), 0.0, [], [])
+        core.quarantined[TRAIN].update(quarantined)
+        slots = [SlotView(worker=0, slot=i, pub_seq=i + 1, ready=True, seq=seq) for i, seq in enumerate(in_ring)]
         dispatcher = Dispatcher()
 
         def shipped() -> int:
-            dispatcher.replan(lambda busy: outstanding(plan, have, quarantined, in_ring, busy | computing))
+            dispatcher.replan(lambda busy: core.todo(TRAIN, busy | computing, slots))
             return dispatcher.pending_count()
 
         new = min((measure(shipped) for _ in range(args.repeats)), key=lambda r: r[0])

@@ -226,25 +226,9 @@ class EpochPlan:
         """The seqs of `epoch` this host serves."""
         return host_shard(self.seqs(epoch), self.num_hosts, self.host_rank)
 
-    def first(self, epochs: int) -> "EpochPlan":
-        """The plan of the first `epochs` epochs, on the same host."""
-        return EpochPlan(self.sizes[:epochs], self.num_hosts, self.host_rank)
-
     def served(self, epochs: int) -> SeqSet:
         """The seqs of the first `epochs` epochs that this host serves."""
         return plan_shard(self.sizes[:epochs], self.num_hosts, self.host_rank)
-
-
-def outstanding(plan: EpochPlan, have: SeqSet, quarantined: SeqSet, in_ring: set[int],
-                computing: set[int]) -> SeqSet:
-    """Seqs of this host's shard that must still be computed for a session holding `have`: work in
-    runs, not seqs."""
-    todo = SeqSet.from_ranges(r for e in range(len(plan.sizes))
-                              for r in have.difference_ranges(plan.shard(e).start, plan.shard(e).stop))
-    todo.difference_update(quarantined)
-    for seq in in_ring | computing:
-        todo.discard(seq)
-    return todo
 
 
 # ---- the delivery core ----------------------------------------------------------------------------

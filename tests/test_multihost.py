@@ -25,10 +25,10 @@ from common.channel import DealerChannel
 from common.cluster import accounting, count_by_host, epoch_ranges, host_shard, plan_shard, restrict
 from common.config import ConfigError, load_config
 from common.liveness import self_identity
-from common.protocol import Hello, Reply, new_session_secret, next_rid
+from common.protocol import Hello, Reply, new_session_secret, next_rid, plan_id
 from common.seqset import SeqSet
 from e2e import Service, assert_exactly_once, ctl, load, wait_for, write_config
-from target_server.delivery import EpochPlan, outstanding
+from target_server.delivery import TRAIN, DeliveryCore, EpochPlan, SlotView
 
 
 # ---- pure functions ----------------------------------------------------------------------------
@@ -79,9 +79,13 @@ def test_each_hosts_part_of_a_trained_set_recombines_to_the_union() -> None:
 def test_the_target_server_plans_only_its_hosts_shard() -> None:
     plan = EpochPlan([6, 4], num_hosts=2, host_rank=1)
     assert (plan.shard(0), plan.shard(1)) == (range(3, 6), range(8, 10))
-    assert plan.first(1).shard(0) == range(3, 6)
-    todo = outstanding(plan, have=SeqSet([3, 8]), quarantined=SeqSet(), in_ring={4}, computing=set())
-    assert list(todo) == [5, 9], "another host's seqs are never computed here"
+    core = DeliveryCore(lambda e: [6, 4][:e], {"data": "d", "id": plan_id({"data": "d"})}, lease_s=60.0, announce_retry_s=1.0, num_hosts=2,
+                        host_rank=1)
+    assert list(core.todo(TRAIN, set(), [])) == [3, 4, 5], "before a HELLO: this host's shard of the first epoch"
+    core.on_hello(b"r0", Hello(rid=1, job="j", secret="ab" * 16, rank=0, world=1, pid=1, start_time=1,
+                               have=SeqSet([3, 8]), epochs=2, credit=2, heldout=False), 0.0, [], [])
+    in_ring = [SlotView(worker=0, slot=0, pub_seq=1, ready=True, seq=4)]
+    assert list(core.todo(TRAIN, set(), in_ring)) == [5, 9], "another host's seqs are never computed here"
 
 
 def test_cluster_config_defaults_validation_and_per_host_override() -> None:
