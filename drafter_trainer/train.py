@@ -52,7 +52,7 @@ from common.cluster import restrict as restrict_to_host
 from common.config import Config, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
-from common.protocol import new_session_secret
+from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
@@ -425,6 +425,13 @@ class Trainer:
             raise RuntimeError(f"feed failed: {self.feed.error}")
         if welcome is None:
             raise StoppedWaiting(self.flags.reason or "stop requested")
+        self._accept_welcome(welcome, new_plan)
+        self._take_drafter(built, guess, welcome.target)
+        self.state = "training"
+
+    def _accept_welcome(self, welcome: Welcome, new_plan: bool) -> None:
+        """Take the plan, the target and the epochs the server's WELCOME carries."""
+        cfg = self.cfg
         self.plan = dict(welcome.plan)   # recorded in every checkpoint
         if self.last_checkpoint and not self.resumed_plan and not new_plan:
             log.warning("%s records no data plan (written before plans were fingerprinted): resuming it as if it "
@@ -440,8 +447,6 @@ class Trainer:
         self.trained_by_host = list(self.resumed_by_host)
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
-        self._take_drafter(built, guess, welcome.target)
-        self.state = "training"
 
     def _check_host(self, target: dict[str, Any]) -> None:
         """The server serves this host's shard (the same cluster.num_hosts and host_rank), and every
