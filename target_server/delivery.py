@@ -231,6 +231,10 @@ class EpochPlan:
         return plan_shard(self.sizes[:epochs], self.num_hosts, self.host_rank)
 
 
+# A batch whose payload fails its checksum at a rank this many times is quarantined, not computed again.
+CORRUPT_PAYLOADS_MAX = 3
+
+
 # ---- the delivery core ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -358,6 +362,8 @@ class DeliveryCore:
         self.quarantine_log: list[dict[str, Any]] = []
         self.counts = {s: collections.Counter() for s in STREAMS}   # per stream: announced, acked, discarded, ...
         self.events: collections.Counter[str] = collections.Counter()  # sessions, fenced, finished, corrupt_*
+        # (stream, seq) -> payloads of it that failed their checksum at a rank (CORRUPT_PAYLOADS_MAX)
+        self.corrupt_payloads: collections.Counter[tuple[bool, int]] = collections.Counter()
         # refused messages (who sent them or what they claim; malformed ones are the channel's
         # bad_messages), by reason; none of them changes a session
         self.refused: collections.Counter[str] = collections.Counter()
@@ -587,8 +593,19 @@ class DeliveryCore:
                                                              f"{msg.worker}, pub_seq {msg.pub_seq}): not announced to it")
         self._unassign(s, key)
         self.events["corrupt_payloads"] += 1
-        log.error("rank of session %s: payload of worker %d slot %d (%s %d) fails its checksum; slot freed, "
-                  "batch computed again", s.job, msg.worker, msg.slot, "held-out batch" if a.heldout else "seq", a.seq)
+        what = f"{'held-out batch' if a.heldout else 'seq'} {a.seq}"
+        times = self.corrupt_payloads[(a.heldout, a.seq)] = self.corrupt_payloads[(a.heldout, a.seq)] + 1
+        if times < CORRUPT_PAYLOADS_MAX:
+            log.error("rank of session %s: payload of worker %d slot %d (%s) fails its checksum; slot freed, "
+                      "batch computed again", s.job, msg.worker, msg.slot, what)
+        else:
+            # The same batch arrived corrupt every time: something keeps damaging it (a failing
+            # device or host memory, a writer in /dev/shm). Computing it forever would stall its
+            # epoch; it is quarantined instead, like a batch that fails its audit: counted, in the
+            # status and the quarantine log, and its epoch ends without it.
+            log.error("rank of session %s: payload of worker %d slot %d (%s) fails its checksum for the %d-th "
+                      "time; slot freed, batch quarantined", s.job, msg.worker, msg.slot, what, times)
+            self.on_quarantined(a.heldout, a.seq, f"its payload failed the checksum {times} times at a rank")
         return [Free(msg.worker, msg.slot, msg.pub_seq), Replan(a.heldout), Scan()]
 
     def _unassign(self, s: Session, key: tuple[int, int]) -> Assignment | None:

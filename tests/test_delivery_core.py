@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Message, ProtocolError, Reply, RingInfo,
                              Welcome, new_session_secret, plan_id)
 from common.seqset import SeqSet
-from target_server.delivery import (HELDOUT, TRAIN, DeliveryCore, Dispatcher, Free, Replan, Scan, Send,
+from target_server.delivery import (CORRUPT_PAYLOADS_MAX, HELDOUT, TRAIN, DeliveryCore, Dispatcher, Free, Replan, Scan, Send,
                                     SetConsumerEpoch, SlotView, run_actions)
 
 SIZES = [5, 4]                      # batches per epoch
@@ -323,6 +323,34 @@ def test_a_corrupt_payload_frees_its_slot_is_counted_and_its_batch_comes_again_n
     got, ended = consume(rig, b"r0", secret, sent)
     assert sorted(got) == list(range(SIZES[0])) and ended == [0], "the corrupt batch once more, the others once"
     assert rig.core.session.train.delivered == SeqSet(range(SIZES[0]))
+
+
+def test_a_batch_corrupt_every_time_is_quarantined_after_the_cap_and_its_epoch_still_ends() -> None:
+    rig = Rig()
+    secret = new_session_secret()
+    rig.compute()
+    sent = rig.hello(b"r0", hello("job", secret, credit=1))
+    bad = of(sent, Announce)[0].seq
+    got, ended, corrupt = [], [], 0
+    for _ in range(50):   # a rank whose copy of batch `bad` fails the checksum every time
+        ended += [m.epoch for m in of(sent, EpochEnd)]
+        announced, sent = of(sent, Announce), []
+        for a in announced:
+            if a.seq == bad:
+                corrupt += 1
+                sent += rig.ack(b"r0", secret, a, corrupt=True)
+                assert (bad in rig.core.quarantined[TRAIN]) == (corrupt == CORRUPT_PAYLOADS_MAX)
+            else:
+                got.append(a.seq)
+                sent += rig.ack(b"r0", secret, a)
+        if not announced:
+            sent = rig.compute() + rig.scan()
+    assert corrupt == CORRUPT_PAYLOADS_MAX, "computed again until the cap, then never"
+    assert rig.core.events["corrupt_payloads"] == CORRUPT_PAYLOADS_MAX
+    assert rig.core.counts[TRAIN]["quarantined"] == 1 and bad not in rig.dispatcher.pending()
+    assert rig.core.quarantine_log[-1]["reason"].startswith("its payload failed the checksum")
+    assert sorted(got) == [s for s in range(SIZES[0]) if s != bad] and ended == [0]
+    assert bad not in rig.core.session.train.delivered
 
 
 def test_a_slot_whose_table_went_bad_is_freed_even_when_announced_and_its_batch_is_not_delivered() -> None:
