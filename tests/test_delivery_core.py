@@ -7,6 +7,7 @@ after every step that no batch is lost or doubled. Both drive the core through t
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -446,6 +447,16 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.pids = itertools.count(1000)
         self.trainer: Trainer | None = None
         self.poison: set[int] = set()
+        # corrupt payloads this server lifetime, per (stream, seq); at CORRUPT_PAYLOADS_MAX the
+        # batch is quarantined by this server (a restarted one computes it again)
+        self.corrupt_sent: collections.Counter[tuple[bool, int]] = collections.Counter()
+
+    def corrupt_every_time(self, stream: bool) -> set[int]:
+        return {seq for (st_, seq), n in self.corrupt_sent.items() if st_ == stream and n >= CORRUPT_PAYLOADS_MAX}
+
+    def given_up(self, stream: bool) -> set[int]:
+        """Seqs of `stream` this server may leave out: poisoned data, or a payload corrupt every time."""
+        return self.corrupt_every_time(stream) | (self.poison if stream == TRAIN else set())
 
     # -- plumbing ---------------------------------------------------------------------------------
     def deliver(self, sent: list[tuple[bytes, Message]]) -> None:
@@ -524,7 +535,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         elif isinstance(msg, EpochEnd):
             if msg.consumer_epoch == t.consumer_epoch[r]:
                 epoch = range(sum(SIZES[: msg.epoch]), sum(SIZES[: msg.epoch + 1]))
-                missing = set(epoch) - t.trained - t.in_hand - self.poison
+                missing = set(epoch) - t.trained - t.in_hand - self.given_up(TRAIN)
                 assert not missing, f"epoch {msg.epoch} ended without {sorted(missing)}"
         elif isinstance(msg, Announce) and msg.consumer_epoch == t.consumer_epoch[r]:
             slot = self.rig.io.slots[msg.worker][msg.slot]
@@ -535,6 +546,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             t.seen[r].add((msg.worker, msg.pub_seq))
             assert (slot.seq, slot.heldout) == (msg.seq, msg.heldout)
             if lose == "corrupt":
+                self.corrupt_sent[(msg.heldout, msg.seq)] += 1
                 self.apply(self.rig.core.on_ack(t.peer(r), Ack(
                     consumer_epoch=msg.consumer_epoch, secret=t.secret, worker=msg.worker, slot=msg.slot,
                     pub_seq=msg.pub_seq, seq=msg.seq, corrupt=True), self.rig.now))
@@ -664,6 +676,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         dead = self.rig.dead
         self.rig = Rig()
         self.rig.dead |= dead     # dead processes stay dead
+        self.corrupt_sent.clear()
         t = self.trainer
         t.consumer_epoch = [-1] * t.world
         t.superseded = [-1] * t.world
@@ -682,7 +695,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         # whatever the trainer does: the server never holds one batch in two places
         server = pending + ready + sorted(computing) + sorted(quarantined)
         assert len(server) == len(set(server)), f"a seq twice on the server: {sorted(server)}"
-        assert quarantined <= self.poison
+        assert self.corrupt_every_time(TRAIN) <= quarantined <= self.given_up(TRAIN)
+        assert set(rig.core.quarantined[HELDOUT]) == self.corrupt_every_time(HELDOUT)
         if not self.joined():
             return   # a trainer dead, fenced or reconnecting: its next HELLO decides (checked at the end)
         where: dict[int, list[str]] = {seq: [] for seq in range(self.planned())}
@@ -699,7 +713,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         if t.heldout:
             got = {i: [] for i in range(HELDOUT_COUNT)}
             for name, seqs in (("got", t.heldout_got), ("pending", rig.dispatcher.pending(HELDOUT)),
-                               ("computing", rig.dispatcher.computing_heldout), ("ready", rig.io.ready_seqs(HELDOUT))):
+                               ("computing", rig.dispatcher.computing_heldout), ("ready", rig.io.ready_seqs(HELDOUT)),
+                               ("quarantined", rig.core.quarantined[HELDOUT])):
                 for i in seqs:
                     got[i].append(name)
             bad = {i: places for i, places in got.items() if len(places) != 1}
@@ -723,11 +738,12 @@ class DeliveryMachine(RuleBasedStateMachine):
             self.train()
             self.compute(8)
             self.time_passes(0.5)
-            done = set(range(self.planned())) - self.poison <= t.trained
-            if done and self.joined() and (not t.heldout or len(t.heldout_got) == HELDOUT_COUNT):
+            done = set(range(self.planned())) - self.given_up(TRAIN) <= t.trained
+            heldout_done = len(t.heldout_got | self.given_up(HELDOUT)) == HELDOUT_COUNT
+            if done and self.joined() and (not t.heldout or heldout_done):
                 break
-        assert t.trained == set(range(self.planned())) - self.poison, \
-            f"trained {sorted(t.trained)}, plan {self.planned()}, poison {self.poison}"
+        assert t.trained == set(range(self.planned())) - self.given_up(TRAIN), \
+            f"trained {sorted(t.trained)}, plan {self.planned()}, left out {self.given_up(TRAIN)}"
         self.time_passes(0.5)
         leaked = [(w, i) for w, ring in enumerate(self.rig.io.slots) for i, s in enumerate(ring) if s.ready]
         assert not leaked and not self.rig.holding, f"slots never freed: {leaked}"
