@@ -189,6 +189,15 @@ def target_panel(status: dict[str, Any] | None, rate: float | None, endpoint: st
     return Panel(Group(*rows), title=_title("target server", status.get("state", "?")), title_align="left")
 
 
+def host_progress(cluster: Any) -> str:
+    """Per host, its shard's batches trained of planned (trainer status 'cluster'); '' on one host."""
+    hosts = cluster.get("hosts") if isinstance(cluster, dict) else None
+    if not isinstance(hosts, list) or len(hosts) < 2:
+        return ""
+    return "   ".join(f"{_num(h.get('host'))}: {_num(h.get('batches_trained'))}/{_num(h.get('batches_planned'))}"
+                      for h in hosts if isinstance(h, dict))
+
+
 def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: str) -> Panel:
     if status is None:
         return _down("trainer", endpoint)
@@ -206,6 +215,9 @@ def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: s
         _line(("last checkpoint", os.path.basename(str(checkpoint).rstrip("/")) if checkpoint else "none"),
               ("failed saves", _num(failures)), ("skipped steps", _num(status.get("skipped_steps")))),
     ]
+    hosts = host_progress(status.get("cluster"))
+    if hosts:   # a multi-host run: each host's shard, so a host that lags shows
+        rows.append(_line(("batches per host", hosts)))
     return Panel(Group(*rows), title=_title("trainer", status.get("state", "?")), title_align="left")
 
 

@@ -81,6 +81,23 @@ def test_a_frame_of_both_services_fits_80x24_and_shows_what_matters() -> None:
     assert "last checkpoint step-00000018" in trainer
 
 
+def test_a_multi_host_trainer_shows_each_hosts_shard_and_one_host_shows_none() -> None:
+    trainer = trainer_status()
+    trainer["cluster"] = {"host_rank": 0, "num_hosts": 2,
+                          "hosts": [{"host": 0, "batches_trained": 6, "batches_planned": 10},
+                                    {"host": 1, "batches_trained": 8, "batches_planned": 10}],
+                          "total": {"batches_trained": 14, "batches_planned": 20}}
+    lines = render(target_status(), trainer)
+    fits(lines)
+    assert "batches per host 0: 6/10   1: 8/10" in "\n".join(lines)
+    trainer["cluster"] = {"host_rank": 0, "num_hosts": 1,
+                          "hosts": [{"host": 0, "batches_trained": 6, "batches_planned": 10}]}
+    assert "per host" not in "\n".join(render(target_status(), trainer))
+    trainer["cluster"] = {"hosts": [{"host": "x"}, None, {"host": 2, "batches_trained": 1}]}
+    text = "\n".join(render(target_status(), trainer))
+    assert "batches per host -: -/-   2: 1/-" in text
+
+
 def test_rates_are_measured_between_two_refreshes() -> None:
     view = TopView(TARGET_EP, TRAINER_EP)
     render(target_status(), trainer_status(), view, now=1000.0)
