@@ -594,7 +594,8 @@ class DeliveryCore:
         self._unassign(s, key)
         self.events["corrupt_payloads"] += 1
         what = f"{'held-out batch' if a.heldout else 'seq'} {a.seq}"
-        times = self.corrupt_payloads[(a.heldout, a.seq)] = self.corrupt_payloads[(a.heldout, a.seq)] + 1
+        self.corrupt_payloads[(a.heldout, a.seq)] += 1
+        times = self.corrupt_payloads[(a.heldout, a.seq)]
         if times < CORRUPT_PAYLOADS_MAX:
             log.error("rank of session %s: payload of worker %d slot %d (%s) fails its checksum; slot freed, "
                       "batch computed again", s.job, msg.worker, msg.slot, what)

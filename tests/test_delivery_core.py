@@ -452,7 +452,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.corrupt_sent: collections.Counter[tuple[bool, int]] = collections.Counter()
 
     def corrupt_every_time(self, stream: bool) -> set[int]:
-        return {seq for (st_, seq), n in self.corrupt_sent.items() if st_ == stream and n >= CORRUPT_PAYLOADS_MAX}
+        return {seq for (of_stream, seq), n in self.corrupt_sent.items()
+                if of_stream == stream and n >= CORRUPT_PAYLOADS_MAX}
 
     def given_up(self, stream: bool) -> set[int]:
         """Seqs of `stream` this server may leave out: poisoned data, or a payload corrupt every time."""

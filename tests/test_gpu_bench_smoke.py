@@ -37,7 +37,7 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     assert figures["scale"]["split"]["proxy"]["8"]["best"]["target_gpus"] >= 1
     placement = figures["placements"]["0-0"]
     assert placement["together_tok_s"] > 0 and placement["produced_tok_s"] is not None
-    assert figures["services"]["warm_startup"]["first_step_s"] > 0
+    assert figures["services"]["warm"]["startup"]["first_step_s"] > 0
     first_pass = figures["p23"]["first_pass"]
     assert {"per_document+cudnn", "per_document"} <= set(first_pass), first_pass   # varlen: CUDA only
     assert all(v["first_tok_s"] > 0 and v["repeat_tok_s"] > 0 for k, v in first_pass.items() if k != "batches")

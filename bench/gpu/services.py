@@ -457,9 +457,6 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         children.kill(name)
         print(f"warm restart: compiled after {warm['compiled_after_s'] or float('nan'):.1f}s; compiled "
               f"steps {warm['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)
-        figures["warm_first_step_s"] = warm["first_step_s"]
-        figures["warm_startup"] = warm["startup"]
-        figures["warm_over_cold_first_step"] = warm["over_cold_first_step"]
         return figures
     finally:
         wind_up(children, sampler, "", 60_000)
