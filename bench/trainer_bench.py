@@ -125,8 +125,10 @@ def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
         for i in range(cfg.num_hidden_layers):
             dense = layout.dense_mask(cfg.layer_window(i))
             visible += int(dense.sum())
-            if attn_impl == "split":
+            if attn_impl == "split" or (attn_impl == "flash" and cfg.layer_window(i) is not None):
                 computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.segments)
+            elif attn_impl == "flash":      # its key runs are exactly the visible keys
+                computed += int(dense.sum())
             elif attn_impl == "flex":
                 tile = 128                  # flex computes every 128x128 tile holding a visible key
                 rq, rk = -(-rows // tile) * tile, -(-dense.shape[1] // tile) * tile
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--sliding-window", type=int, default=0, help="0: all layers full attention")
     p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex"])
+    p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex", "flash"])
     p.add_argument("--split-fc", default="both", choices=["both", "on", "off"])
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="drafter.compile: torch.compile layers, norms and loss; auto: on for CUDA")

@@ -73,7 +73,7 @@ class DrafterConfig:
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
     split_fc: bool = False
-    attn: str = "auto"                  # split | sdpa | flex; auto: split on CPU, flex on CUDA
+    attn: str = "auto"                  # split | sdpa | flex | flash; auto: split on CPU, flash on CUDA (else flex)
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
@@ -269,7 +269,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.drafter.blocks_per_chunk >= 0, "drafter.blocks_per_chunk: 0 (auto) or a positive number of blocks")
     for t in cfg.drafter.layer_types:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
-    need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex"), "drafter.attn: auto | split | sdpa | flex")
+    need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex", "flash"),
+         "drafter.attn: auto | split | sdpa | flex | flash")
     need(cfg.drafter.compile in ("auto", "off", "on"), "drafter.compile: auto | off | on")
     need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
          "drafter.layer_types: one entry per drafter layer")

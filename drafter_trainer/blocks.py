@@ -19,6 +19,7 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.batch import PackedBatch
@@ -105,6 +106,10 @@ class BlockBatch:
     valid             [N]    bool   False for padding blocks (they see no data and carry no weight)
     context_doc       [T]    int64  document of each packed token
     context_positions [T]    int64  position of each packed token in its document
+
+    `host`: the anchors, documents and document starts (context indices) of the blocks as host
+    lists, when `chunks` has read them already; the host-side mask builders then read nothing
+    from the device.
     """
 
     block_input_ids: torch.Tensor
@@ -116,6 +121,7 @@ class BlockBatch:
     valid: torch.Tensor
     context_doc: torch.Tensor
     context_positions: torch.Tensor
+    host: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -128,6 +134,14 @@ class BlockBatch:
     @property
     def num_context(self) -> int:
         return int(self.context_doc.shape[0])
+
+    def host_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per block: its anchor, its document (-1: padding) and its document's first context
+        index, as host arrays (`host`, or one read of the device)."""
+        if self.host is None:
+            doc_start = torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
+            self.host = tuple(torch.stack([self.anchors, self.anchor_doc, doc_start]).tolist())
+        return tuple(np.asarray(x, dtype=np.int64) for x in self.host)
 
     def chunks(self, blocks_per_chunk: int) -> list[tuple["BlockBatch", int, int]]:
         """The blocks in runs of at most `blocks_per_chunk`, each with the context it can see.
@@ -145,21 +159,22 @@ class BlockBatch:
         bounds = chunk_bounds(n, blocks_per_chunk, self.block_size)
         if len(bounds) == 1:
             return [(self, 0, self.num_context)]
-        doc_start = torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
-        anchors, docs, starts = torch.stack([self.anchors, self.anchor_doc, doc_start]).tolist()
+        anchors, docs, starts = self.host_index()
         out = []
         for a, e in bounds:
             rows = slice(a, e)
-            real = [j for j in range(rows.start, rows.stop) if docs[j] >= 0]
-            first = starts[real[0]] if real else 0
-            end = max(anchors[j] for j in real) if real else 0
+            real = docs[rows] >= 0
+            first = int(starts[rows][real][0]) if real.any() else 0
+            end = int(anchors[rows][real].max()) if real.any() else 0
             valid = self.valid[rows]
+            host = (np.where(real, anchors[rows] - first, 0).tolist(), docs[rows].tolist(),
+                    np.where(real, starts[rows] - first, 0).tolist())
             out.append((BlockBatch(
                 block_input_ids=self.block_input_ids[rows], block_positions=self.block_positions[rows],
                 labels=self.labels[rows], weights=self.weights[rows],
                 anchors=torch.where(valid, self.anchors[rows] - first, 0), anchor_doc=self.anchor_doc[rows],
                 valid=valid, context_doc=self.context_doc[first:end],
-                context_positions=self.context_positions[first:end]), first, end))
+                context_positions=self.context_positions[first:end], host=host), first, end))
         return out
 
 
@@ -362,17 +377,24 @@ def chunk_bounds(n: int, blocks_per_chunk: int, block_size: int) -> list[tuple[i
     return bounds
 
 
+def segment_firsts(docs: np.ndarray, blocks_per_segment: int) -> np.ndarray:
+    """The first block of each segment: runs of consecutive blocks of one document (padding
+    blocks, document -1, form runs too), cut every `blocks_per_segment` blocks."""
+    n = len(docs)
+    change = np.ones(n, dtype=bool)
+    change[1:] = docs[1:] != docs[:-1]
+    run_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
+    return np.flatnonzero(change | ((np.arange(n) - run_start) % max(1, blocks_per_segment) == 0))
+
+
 def _segments(blocks: BlockBatch, blocks_per_segment: int) -> list[tuple[int, int, int, int]]:
     """Runs of consecutive same-document blocks and the context range they can see (see AttentionLayout)."""
     b = blocks.block_size
-    doc_start = torch.searchsorted(blocks.context_doc, blocks.anchor_doc.clamp_min(0)).tolist()
-    anchors, docs = blocks.anchors.tolist(), blocks.anchor_doc.tolist()
+    anchors, docs, doc_start = blocks.host_index()
+    firsts = segment_firsts(docs, blocks_per_segment)
     segments: list[tuple[int, int, int, int]] = []
-    first = 0
-    for i in range(1, len(docs) + 1):
-        if i == len(docs) or docs[i] != docs[first] or i - first == blocks_per_segment:
-            end_key = max(anchors[first:i]) if docs[first] >= 0 else 0
-            start_key = doc_start[first] if docs[first] >= 0 else 0
-            segments.append((first * b, i * b, start_key, end_key))
-            first = i
+    for first, end in zip(firsts.tolist(), np.append(firsts[1:], len(docs)).tolist()):
+        real = docs[first] >= 0
+        segments.append((first * b, end * b, int(doc_start[first]) if real else 0,
+                         int(anchors[first:end].max()) if real else 0))
     return segments

@@ -18,6 +18,7 @@ This module has no transformers dependency: the exported folder is what the serv
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -27,11 +28,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig, default_layer_ids
+from drafter_trainer.block_flash import block_flash_attention, fold_queries, plan_of_blocks, unfold_queries
 from drafter_trainer.blocks import AttentionLayout, BlockBatch
 from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTN_IMPLS = ("auto", "split", "sdpa", "flex")
+ATTN_IMPLS = ("auto", "split", "sdpa", "flex", "flash")
 COMPILE_MODES = ("auto", "off", "on")
 LAYER_COMPILE_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}   # inductor's, for every compiled layer
 
@@ -271,12 +273,13 @@ def split_attention_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return split_attention(q, k, v, mask.segments, mask.masks, block_size)
 
 
-# What a layer calls for the split path. Never traced into a compiled layer: the loop over a
-# batch's segments would be unrolled into the graph with the segment bounds as constants and
-# recompiled for every batch (on torch 2.13, CPU, the second batch even got wrong gradients).
-# compile_for puts torch.compiler.disable(split_attention_of) here, not the import: that loads
-# torch._dynamo (~1 s) into every process.
+# What a layer calls for the split and flash paths. Never traced into a compiled layer: the loop
+# over a batch's segments would be unrolled into the graph with the segment bounds as constants
+# and recompiled for every batch (on torch 2.13, CPU, the second batch even got wrong gradients);
+# the flash plan holds host integers likewise. compile_for puts torch.compiler.disable(...) of
+# each here, not the import: that loads torch._dynamo (~1 s) into every process.
 _layer_split_attention = split_attention_of
+_layer_flash_attention = block_flash_attention
 _compiled_flex = None
 # A chunk of under 128 queries (a batch's last, a test's) would otherwise take inductor's
 # flex-decoding kernel, meant for a few queries over a long cache: on the H200 it found no kernel
@@ -307,16 +310,31 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
 SEGMENT_ROWS = {"cpu": 256, "cuda": 1024}
 
 
-def resolve_attention(impl: str, device_type: str, head_dim: int) -> str:
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def flash_kernels_available() -> bool:
+    """Whether torch's FlashAttention kernels run here (a CUDA build, an sm80 or newer GPU)."""
+    return torch.cuda.is_available() and torch.backends.cuda.is_flash_attention_available() \
+        and torch.cuda.get_device_capability()[0] >= 8
+
+
+def resolve_attention(impl: str, device_type: str, head_dim: int, *, half: bool = True, sliding: bool = False) -> str:
     """The attention path "auto" stands for: split on the CPU (it scores only the visible keys
-    and needs no compiler); flex on CUDA, the fastest path measured on the H200 (compiled: MFU
-    0.55 at the 27B size, where the dense-mask SDPA kernel computes ten times the visible
-    attention), unless the head size is one flex has no kernel for (not a power of two >= 16):
-    then sdpa. Any other value is returned as it is."""
+    and needs no compiler). On CUDA, flash, the fastest path measured on the H200 (FlashAttention's
+    kernels: at the 27B shape and the published density a layer's attention forward + backward
+    took 0.41x flex's time, docs/benchmarks.md), where its kernels run: a head size they take
+    (a multiple of 8 up to 256), bf16 / fp16 compute (`half`), no sliding-window layer
+    (`sliding`; flash runs those through split). Otherwise flex, unless the head size is one
+    flex has no kernel for (not a power of two >= 16): then sdpa. Any other value is returned
+    as it is."""
     if impl != "auto":
         return impl
     if device_type != "cuda":
         return "split"
+    if half and not sliding and head_dim % 8 == 0 and head_dim <= 256 and flash_kernels_available():
+        return "flash"
     return "flex" if head_dim >= 16 and head_dim & (head_dim - 1) == 0 else "sdpa"
 
 
@@ -357,6 +375,10 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         k = torch.cat([context_k.to(v.dtype), k], dim=0)
         v = torch.cat([context_v.to(v.dtype), v], dim=0)
+        if attn_impl == "flash":                # mask: a FlashPlan over the folded query rows
+            g, b = self.num_heads // self.num_kv_heads, self.block_size
+            out = _layer_flash_attention(fold_queries(q, g, b), k, v, mask)
+            return self.o_proj(unfold_queries(out, g, b).reshape(q_len, self.num_heads * self.head_dim))
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":
@@ -407,8 +429,9 @@ class DFlashDraftModel(nn.Module):
     views of the planes instead of a copy): a compute choice, not a different model.
     attn_impl: "split" (scores against [context ; own block] only, materialised; fastest on CPU),
     "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (block-sparse fused
-    kernel, compiled on CUDA); "auto": `resolve_attention`. All evaluate one mask rule
-    (AttentionLayout.visible) and agree numerically (tests).
+    kernel, compiled on CUDA), "flash" (FlashAttention's varlen kernels over per-segment and
+    per-block key runs, block_flash.py; CUDA, bf16/fp16); "auto": `resolve_attention`. All
+    evaluate one mask rule (AttentionLayout.visible) and agree numerically (tests).
     `compile_for` runs the decoder layers and the two norms through torch.compile (see there);
     `compiled` tells the loss to use its compiled cross-entropy as well.
     """
@@ -486,7 +509,7 @@ class DFlashDraftModel(nn.Module):
         whether the model is compiled now; the loss then compiles its cross-entropy too. Asking
         again for the current state changes nothing (a second Module.compile would trace anew).
         """
-        global _layer_split_attention
+        global _layer_split_attention, _layer_flash_attention
         if mode not in COMPILE_MODES:
             raise DrafterConfigError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
         on = mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
@@ -494,6 +517,7 @@ class DFlashDraftModel(nn.Module):
             return on
         if on and _layer_split_attention is split_attention_of:
             _layer_split_attention = torch.compiler.disable(split_attention_of)
+            _layer_flash_attention = torch.compiler.disable(block_flash_attention)
         for module in (self.hidden_norm, *self.layers, self.norm):
             if on:
                 module.compile(dynamic=True, options=dict(LAYER_COMPILE_OPTIONS))
@@ -593,18 +617,31 @@ class DFlashDraftModel(nn.Module):
         that `BlockBatch.chunks` cut for a chunk of its blocks). No input checks here: the
         trainer's kernel warm-up runs it on random inputs before the target's head is loaded.
         """
-        layout = AttentionLayout.from_blocks(
-            blocks, self.segment_rows or SEGMENT_ROWS.get(noise_embedding.device.type, SEGMENT_ROWS["cpu"]))
+        device = noise_embedding.device
+        segment_rows = self.segment_rows or SEGMENT_ROWS.get(device.type, SEGMENT_ROWS["cpu"])
+        layout = AttentionLayout.from_blocks(blocks, segment_rows)
         cfg = self.config
         rope = rope_cos_sin(layout.query_pos, cfg.head_dim, cfg.rope_theta)
-        impl = resolve_attention(self.attn_impl, noise_embedding.device.type, cfg.head_dim)
+        windows = {layer.self_attn.sliding_window for layer in self.layers}
+        half = noise_embedding.dtype in HALF_DTYPES or (
+            torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in HALF_DTYPES)
+        impl = resolve_attention(self.attn_impl, device.type, cfg.head_dim, half=half,
+                                 sliding=any(w is not None for w in windows))
+        if impl == "flash" and device.type == "cuda" and not half:
+            raise DrafterConfigError("drafter.attn flash runs FlashAttention's kernels: on CUDA they need bf16 or "
+                                     "fp16 compute (train.compute_dtype), not fp32")
+        # flash has no mask for a sliding window: those layers take the split path
+        impls = {w: "split" if impl == "flash" and w is not None else impl for w in windows}
         make_mask = {"split": lambda w: SplitMask(layout.segments, layout.split_masks(w)),
-                     "sdpa": layout.dense_mask, "flex": layout.flex_mask}[impl]
-        masks = {w: make_mask(w) for w in {layer.self_attn.sliding_window for layer in self.layers}}
+                     "sdpa": layout.dense_mask, "flex": layout.flex_mask,
+                     "flash": lambda w: plan_of_blocks(blocks, max(1, segment_rows // cfg.block_size),
+                                                       cfg.num_attention_heads // cfg.num_key_value_heads)}
+        masks = {w: make_mask[impls[w]](w) for w in windows}
 
         hidden_states = noise_embedding
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
-            args = (hidden_states, context_k, context_v, rope, masks[layer.self_attn.sliding_window], impl)
+            window = layer.self_attn.sliding_window
+            args = (hidden_states, context_k, context_v, rope, masks[window], impls[window])
             if self.checkpoint_layers and torch.is_grad_enabled():
                 hidden_states = checkpoint(layer, *args, use_reentrant=False)
             else:

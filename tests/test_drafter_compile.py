@@ -228,7 +228,7 @@ def test_cuda_compiled_loss_head_equals_the_per_chunk_math_on_bf16_logits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+@pytest.mark.parametrize("impl", ["flex", "sdpa", "flash"])
 def test_cuda_compiled_drafter_agrees_with_eager_under_bf16_autocast(impl):
     cfg = tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     results = []
@@ -289,7 +289,7 @@ def test_warm_up_leaves_weights_and_gradients_alone_and_needs_no_target_head():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+@pytest.mark.parametrize("impl", ["flex", "sdpa", "flash"])
 def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
     from torch._dynamo.utils import counters
 
@@ -425,15 +425,34 @@ def test_a_background_warm_up_out_of_memory_still_switches_to_the_compiled_step(
     assert model.compiled
 
 
-def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a_background_compile():
+def test_auto_attention_is_flash_where_its_kernels_run_else_flex_else_sdpa(monkeypatch):
+    from drafter_trainer import model as drafter_model
+    from drafter_trainer.model import resolve_attention
+
+    monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: True)
+    assert [resolve_attention("auto", d, 256) for d in ("cuda", "cpu")] == ["flash", "split"]
+    assert resolve_attention("auto", "cuda", 80) == "flash"          # any multiple of 8 up to 256
+    # fp32 compute, a sliding-window layer, a head size its kernels lack: flex, or sdpa
+    assert resolve_attention("auto", "cuda", 256, half=False) == "flex"
+    assert resolve_attention("auto", "cuda", 256, sliding=True) == "flex"
+    assert resolve_attention("auto", "cuda", 512) == "flex" and resolve_attention("auto", "cuda", 12) == "sdpa"
+    assert resolve_attention("flex", "cuda", 256) == "flex"          # an explicit choice stays
+    monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: False)   # pre-sm80 GPUs
+    assert resolve_attention("auto", "cuda", 256) == "flex"
+
+
+def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a_background_compile(monkeypatch):
+    from drafter_trainer import model as drafter_model
     from drafter_trainer.model import resolve_attention
     from drafter_trainer.warmup import eager_attention, needs_compiling
 
+    monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    # auto: flex on CUDA (the fastest measured path) for head sizes flex has kernels for, else sdpa
+    # auto without FlashAttention: flex on CUDA for head sizes flex has kernels for, else sdpa
     assert [resolve_attention("auto", d, 256) for d in ("cuda", "cpu")] == ["flex", "split"]
     assert resolve_attention("auto", "cuda", 80) == "sdpa" and resolve_attention("sdpa", "cuda", 256) == "sdpa"
     assert eager_attention("flex", cuda, 256) == "split" and eager_attention("auto", cuda, 256) == "split"
+    assert eager_attention("flash", cuda, 256) == "flash"       # precompiled kernels: nothing to avoid
     assert [eager_attention(i, cuda, 256) for i in ("sdpa", "split")] == ["sdpa", "split"]
     assert eager_attention("auto", cuda, 80) == "auto"          # resolves to sdpa: nothing to avoid
     assert eager_attention("flex", cpu, 256) == "flex"          # eager flex on the CPU compiles nothing
@@ -444,7 +463,7 @@ def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["flex", "sdpa"])
+@pytest.mark.parametrize("impl", ["flex", "sdpa", "flash"])
 def test_cuda_compile_behind_steps_eagerly_then_switches_without_compiling_again(impl):
     from torch._dynamo.utils import counters
 

@@ -325,7 +325,7 @@ REF_ANCHORS = [0, 3, 5, 7, 9, 11, 12, 20, 23, 26, 31]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("impl", ["split", "sdpa", "flex"])
+@pytest.mark.parametrize("impl", ["split", "sdpa", "flex", "flash"])
 def test_batched_forward_equals_a_brute_force_reference(impl):
     cfg = tiny_config(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                       sliding_window=3)
@@ -337,11 +337,14 @@ def test_batched_forward_equals_a_brute_force_reference(impl):
     assert_close(got, want, n=drafter_terms(cfg, sum(REF_DOCS)))       # float64 reference: fp32 error only
 
 
-def test_split_and_sdpa_attention_agree_in_gradients():
+@pytest.mark.parametrize("other", ["sdpa", "flash"])
+def test_attention_paths_agree_with_split_in_gradients(other):
+    # flash on the CPU runs a plain reference of FlashAttention's kernels: this checks its key
+    # runs, the merge of its two parts and their backward (the kernels themselves: CUDA tests)
     cfg = tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     batch = make_batch(REF_DOCS)
     grads = []
-    for impl in ("split", "sdpa"):
+    for impl in ("split", other):
         model = make_model(cfg, attn_impl=impl)
         out = forward(model, batch, REF_ANCHORS)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
@@ -350,7 +353,7 @@ def test_split_and_sdpa_attention_agree_in_gradients():
         assert_close(grads[0][name], grads[1][name], n=drafter_terms(cfg, sum(REF_DOCS), backward=True), msg=name)
 
 
-@pytest.mark.parametrize("impl", ["split", "sdpa"])
+@pytest.mark.parametrize("impl", ["split", "sdpa", "flash"])
 def test_padding_blocks_change_nothing_for_real_blocks(impl):
     model = make_model(attn_impl=impl)
     batch = make_batch(REF_DOCS)
@@ -464,7 +467,7 @@ def test_cuda_attention_paths_agree_under_bf16_autocast():
     cfg = tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     batch = make_batch(REF_DOCS).to("cuda")
     results = {}
-    for impl in ("split", "sdpa", "flex"):
+    for impl in ("split", "sdpa", "flex", "flash"):
         model = make_model(cfg, attn_impl=impl).cuda()
         blocks = build_blocks(batch, torch.tensor(REF_ANCHORS, device="cuda"), 4, MASK, 7.0)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -472,6 +475,6 @@ def test_cuda_attention_paths_agree_under_bf16_autocast():
         out.loss.backward()
         results[impl] = (out.loss.item(), model.fc.weight.grad.float().clone())
     loss, grad = results["split"]
-    for impl in ("sdpa", "flex"):
+    for impl in ("sdpa", "flex", "flash"):
         assert abs(results[impl][0] - loss) < 2e-2 * max(1.0, abs(loss))
         assert (results[impl][1] - grad).norm() < 5e-2 * grad.norm()

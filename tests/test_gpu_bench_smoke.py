@@ -60,6 +60,19 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     assert len(steps) == 3 and all(s["step"] > 0 and s["train_step"] > 0 and s["loss"] > 0 for s in steps)
     assert "aten::" in (tmp_path / "profile.txt").read_text()
 
+    # the attention sweep (run by hand on the GPU host): every variant against the split path
+    sweep_out = tmp_path / "sweep"
+    sweep_out.mkdir()
+    res = subprocess.run([sys.executable, "-m", "bench.gpu.attn_sweep", "--workdir", str(tmp_path / "work"),
+                          "--device", "cpu", "--forward-only", "--repeats", "1", "--segment-rows", "64",
+                          "--blocks-per-chunk", "32", "--variants", "split,flex,flex-range,flex-seg,flash"],
+                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO), "OUT": str(sweep_out)},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sweep = json.loads((sweep_out / "attn_sweep.json").read_text())
+    for variant in ("flex", "flex-range", "flex-seg", "flash"):   # fp32 on the CPU: the same attention
+        assert sweep[variant]["max_rel_err_vs_split"]["out"] < 1e-4, (variant, sweep[variant])
+
 
 def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> None:
     import time

@@ -1,0 +1,286 @@
+"""The drafter's attention at the published density, alone: attention paths and masks compared.
+
+The P5d profile puts flex attention at about a fifth of the drafter step's device time for under
+2% of its FLOPs. This times forward and forward + backward of exactly the attention the step
+runs (the 27B shape's query/key heads and head size, one layer, every chunk of the prepared
+dataset's first batches) under these variants:
+
+- `flex`: AttentionLayout.flex_mask as the model builds it, compiled flex;
+- `flex-range`: the same keys, a mask of per-block key ranges (no per-key lookups);
+- `flex-seg`: each segment of `--segment-rows` queries gets its own copy of the context keys it
+  can see (gathered; the backward sums the copies), so no key tile serves more than one
+  segment's queries: the backward's per-key-tile work is bounded;
+- `split`: the split path (per-segment matmuls, eager, as the model runs it);
+- `flash`: FlashAttention's varlen kernels over segment-copied keys (drafter_trainer.block_flash),
+  segments of `--segment-rows` queries; `flash:A` and `flash:B` time one of its parts alone;
+- `opts:<json>`: `flex` with explicit kernel_options (--options, repeatable);
+- `autotune`: `flex` compiled with max_autotune (slow).
+
+Each variant's output on the first chunk is compared with the split path's. Needs the fixtures
+of `gpu_bench.py env`. Prints one JSON line per variant and writes $OUT/attn_sweep.json:
+
+    python -m bench.gpu.attn_sweep --batches 1 --variants flex,flex-range,flex-seg,split
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from bench.gpu import fixtures
+
+
+def chunk_layouts(manifest: dict[str, Any], device: torch.device, batches: int, blocks_per_chunk: int,
+                  anchors: int, block: int, seed: int, segment_rows: int) -> tuple[list[Any], Any]:
+    """The AttentionLayout of every chunk of the first `batches` dataset batches, and the drafter config."""
+    from bench.gpu.drafter_rig import DrafterRig
+    from drafter_trainer.blocks import AttentionLayout
+
+    rig = DrafterRig(manifest, device, 1, block, anchors, 0, seed, attn="flex", compile_mode="off")
+    out = []
+    for _batch, blocks in rig.dataset_work(list(range(batches)), lazy_hidden=True):
+        for chunk, _first, _end in blocks.chunks(blocks_per_chunk):
+            out.append(AttentionLayout.from_blocks(chunk, segment_rows))
+    config = rig.config
+    del rig
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out, config
+
+
+def range_mask_mod(lo: torch.Tensor, hi: torch.Tensor, own: torch.Tensor, block: int) -> Callable[..., torch.Tensor]:
+    """Query q (block n = q // block) sees keys [lo[n], hi[n]) and [own[n], own[n] + block)."""
+    def mask_mod(b: Any, h: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        n = q // block
+        return ((kv >= lo[n]) & (kv < hi[n])) | ((kv >= own[n]) & (kv < own[n] + block))
+    return mask_mod
+
+
+def block_ranges(layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: its visible context [lo, hi) (document start to its anchor) and its own keys' start."""
+    blocks = layout.blocks
+    n, b, t = blocks.num_blocks, blocks.block_size, layout.num_context
+    doc_start = torch.searchsorted(blocks.context_doc, blocks.anchor_doc.clamp_min(0))
+    lo = torch.where(blocks.valid, doc_start, 0)
+    hi = torch.where(blocks.valid, blocks.anchors, 0)
+    own = t + torch.arange(n, device=lo.device) * b
+    return lo, hi, own
+
+
+def segment_gather(layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key index of the segment-copied layout ([segment's context ; segment's block keys] per
+    segment) into the model's [context ; all block keys], and the per-block ranges in it."""
+    b, t = layout.block_size, layout.num_context
+    device = layout.query_pos.device
+    index, lo, hi, own = [], [], [], []
+    anchors = layout.blocks.anchors.tolist()
+    off = 0
+    for q0, q1, k0, k1 in layout.segments:
+        index += [torch.arange(k0, k1, device=device), torch.arange(t + q0, t + q1, device=device)]
+        for n in range(q0 // b, q1 // b):
+            real = k1 > k0
+            lo.append(off)
+            hi.append(off + (anchors[n] - k0 if real else 0))
+            own.append(off + (k1 - k0) + n * b - q0)
+        off += (k1 - k0) + (q1 - q0)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return torch.cat(index), as_t(lo), as_t(hi), as_t(own)
+
+
+def make_variants(names: list[str], options: list[str], layouts: list[Any], block: int,
+                  device: torch.device) -> list[tuple[str, Callable]]:
+    """(name, attend) pairs: attend(i, q, k, v) runs chunk i's attention on q [1, h, Q, d], k/v [1, h_kv, K, d]."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from drafter_trainer.model import FLEX_KERNEL_OPTIONS, split_attention
+
+    # compiled flex has no CPU backward: the CPU smoke run takes it eager, as the model's CPU tests do
+    flex = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
+    out: list[tuple[str, Callable]] = []
+    cache: dict[str, list[Any]] = {}
+
+    def masks(kind: str) -> list[Any]:
+        if kind not in cache:
+            built = []
+            for lay in layouts:
+                if kind == "model":
+                    built.append(lay.flex_mask(None))
+                elif kind == "range":
+                    mod = range_mask_mod(*block_ranges(lay), block)
+                    built.append(create_block_mask(mod, None, None, lay.num_queries, lay.num_keys,
+                                                   device=lay.query_pos.device))
+                else:
+                    index, lo, hi, own = segment_gather(lay)
+                    mask = create_block_mask(range_mask_mod(lo, hi, own, block), None, None, lay.num_queries,
+                                             int(index.numel()), device=lay.query_pos.device)
+                    built.append((index, mask))
+            cache[kind] = built
+        return cache[kind]
+
+    def flex_with(kind: str, fn: Any, opts: dict[str, Any]) -> Callable:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if kind == "seg":
+                index, mask = masks(kind)[i]
+                k, v = k.index_select(2, index), v.index_select(2, index)
+            else:
+                mask = masks(kind)[i]
+            return fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+        return attend
+
+    split_masks: dict[int, list[torch.Tensor]] = {}
+
+    def split_of(i: int) -> list[torch.Tensor]:
+        if i not in split_masks:
+            split_masks[i] = layouts[i].split_masks(None)
+        return split_masks[i]
+
+    from drafter_trainer.block_flash import FlashPlan, block_flash_attention, fold_queries, plan_of_blocks, unfold_queries
+
+    plans: dict[int, Any] = {}
+
+    def flash_of(parts: slice) -> Callable:
+        def flash(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            g = q.shape[1] // k.shape[1]
+            if i not in plans:
+                plans[i] = plan_of_blocks(layouts[i].blocks, max(1, layouts[i].segment_rows // block), g)
+            plan = plans[i] if parts == slice(None) else FlashPlan(plans[i].parts[parts])
+            # [1, h, L, d] -> [L, h, d] (folded, as the model's compiled layer does it)
+            folded = fold_queries(q[0].transpose(0, 1), g, block)
+            out = block_flash_attention(folded, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(),
+                                        plan)
+            return unfold_queries(out, g, block).transpose(0, 1)[None]
+        return flash
+
+    for name in names:
+        if name == "flash":
+            out.append((name, flash_of(slice(None))))
+        elif name in ("flash:A", "flash:B"):     # one part alone: its cost (the output is not the attention)
+            out.append((name, flash_of(slice(0, 1) if name == "flash:A" else slice(-1, None))))
+        elif name == "flex":
+            out.append((name, flex_with("model", flex, FLEX_KERNEL_OPTIONS)))
+        elif name == "flex-range":
+            out.append((name, flex_with("range", flex, FLEX_KERNEL_OPTIONS)))
+        elif name == "flex-seg":
+            out.append((name, flex_with("seg", flex, FLEX_KERNEL_OPTIONS)))
+        elif name == "split":
+            out.append((name, lambda i, q, k, v: split_attention(q, k, v, layouts[i].segments, split_of(i), block)))
+        elif name == "autotune":
+            tuned = torch.compile(flex_attention, dynamic=True, options={"max_autotune": True})
+            out.append((name, flex_with("model", tuned, FLEX_KERNEL_OPTIONS)))
+        else:
+            raise SystemExit(f"unknown variant {name!r}")
+    for o in options:
+        out.append((f"opts:{o}", flex_with("model", flex, {**FLEX_KERNEL_OPTIONS, **json.loads(o)})))
+    return out
+
+
+def time_variant(attend: Callable, layouts: list[Any], config: Any, device: torch.device,
+                 repeats: int, reference: list[torch.Tensor] | None, backward: bool,
+                 profile: int = 0) -> dict[str, Any]:
+    """Seconds of forward and of forward + backward over all chunks (after one untimed pass),
+    peak memory of a forward + backward pass, and the first chunk's output (and gradients)
+    against `reference`'s."""
+    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tensors = []
+    for lay in layouts:
+        nq, nk = lay.num_queries, lay.num_keys
+        q = torch.randn(1, heads, nq, hd, device=device, dtype=dtype, generator=gen).requires_grad_(backward)
+        k = torch.randn(1, kv_heads, nk, hd, device=device, dtype=dtype, generator=gen).requires_grad_(backward)
+        v = torch.randn(1, kv_heads, nk, hd, device=device, dtype=dtype, generator=gen).requires_grad_(backward)
+        tensors.append((q, k, v, torch.randn(1, heads, nq, hd, device=device, dtype=dtype, generator=gen)))
+
+    def run(with_grad: bool) -> None:
+        for i, (q, k, v, grad) in enumerate(tensors):
+            out = attend(i, q, k, v)
+            if with_grad:
+                out.backward(grad)
+
+    t0 = time.perf_counter()
+    run(backward)                              # compile every shape once
+    fixtures.synchronize(device)
+    res: dict[str, Any] = {"first_pass_s": time.perf_counter() - t0}
+    q, k, v, grad = tensors[0]
+    with torch.set_grad_enabled(backward):
+        out0 = attend(0, q, k, v)
+    first = [out0.detach().float()]
+    if backward:
+        first += [g.float() for g in torch.autograd.grad(out0, (q, k, v), grad)]
+    if reference is not None:
+        res["max_rel_err_vs_split"] = {name: float((x - r).abs().max() / r.abs().max())
+                                       for name, x, r in zip(("out", "dq", "dk", "dv"), first, reference)}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    for name, with_grad in (("fwd_s", False), ("fwd_bwd_s", True))[:1 + backward]:
+        timer = fixtures.RegionTimer(device).start()
+        for _ in range(repeats):
+            with torch.set_grad_enabled(with_grad):
+                run(with_grad)
+        res[name] = timer.stop().seconds() / repeats
+    if device.type == "cuda":
+        res["peak_above_inputs_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+        if profile:
+            res["profile"] = fixtures.profile_kernels(lambda: run(backward), device, top=profile)
+    res["_first"] = first
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default=os.environ.get("DFPIPE_BENCH_WORKDIR", "/tmp/dfpipe-gpu-bench"))
+    p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--blocks-per-chunk", type=int, default=512)
+    p.add_argument("--segment-rows", type=int, default=1024, help="flex-seg and the split paths")
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on the --quick fixtures")
+    p.add_argument("--variants", default="split,flex,flash")
+    p.add_argument("--options", action="append", default=[], help="a JSON kernel_options object (repeatable)")
+    p.add_argument("--profile", type=int, default=0, help="CUDA: the top N kernels of one pass per variant")
+    p.add_argument("--forward-only", action="store_true", help="the CPU smoke run (flex has no CPU backward)")
+    a = p.parse_args(argv)
+
+    torch._dynamo.config.cache_size_limit = 64
+    device = torch.device(a.device)
+    manifest = fixtures.read_manifest(a.workdir)
+    layouts, config = chunk_layouts(manifest, device, a.batches, a.blocks_per_chunk, a.anchors, a.block, a.seed,
+                                    a.segment_rows)
+    print(json.dumps({"chunks": len(layouts), "queries": sum(x.num_queries for x in layouts),
+                      "keys_mean": sum(x.num_keys for x in layouts) / len(layouts),
+                      "context_keys_mean": sum(x.num_context for x in layouts) / len(layouts),
+                      "segments": sum(len(x.segments) for x in layouts), "heads": config.num_attention_heads,
+                      "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}), flush=True)
+    names = [n for n in a.variants.split(",") if n]
+    # the split path first: the others are checked against its output
+    names = sorted(names, key=lambda n: n != "split")
+    results: dict[str, Any] = {}
+    reference = None
+    for name, attend in make_variants(names, a.options, layouts, a.block, device):
+        try:
+            r = time_variant(attend, layouts, config, device, a.repeats, reference, not a.forward_only, a.profile)
+            first = r.pop("_first")
+            if name == "split":
+                reference = first
+        except Exception as e:     # a variant that does not fit or compile leaves the others measured
+            r = {"error": f"{type(e).__name__}: {e}"[:400]}
+        results[name] = r
+        print(json.dumps({"variant": name, **r}), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "attn_sweep.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""The drafter's attention through FlashAttention's variable-length kernels (the `flash` path).
+
+Who sees whom is AttentionLayout's rule: a block's queries see their document's context strictly
+before the block's anchor, and their own block. No FlashAttention mask says that, but the keys
+split into two parts that need none:
+
+    part A, per segment (a run of at most `segment_blocks` consecutive blocks of one document):
+        the context from the document's start to the segment's first anchor. Every query of
+        the segment sees all of it: one varlen sequence, no mask.
+    part B, per block: the context from the segment's first anchor to the block's own anchor
+        (the keys the segment's blocks see a different amount of), then the block's own keys.
+        Every query of the block sees all of them: one varlen sequence of B queries, no mask.
+
+Each part's keys are gathered into the contiguous runs varlen attention reads (a context key is
+copied once per segment that sees it in A, and once per block in B), the two partial softmaxes
+are merged by their log-sum-exps, and the backward runs each part's kernel against the merged
+output and log-sum-exp (exactly the gradient of the whole softmax) and sums the copies' key
+gradients back in fp32.
+
+Queries come folded (`fold_queries`): the g query heads that share a key head are rows of that
+key head, so a block is g * B rows of h_kv heads. All of them see the same keys, and the kernels'
+query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
+them mostly idle. The model folds in its compiled graph, where the permutation costs no pass of
+its own.
+
+Why: at the published density a chunk's few context keys serve thousands of block queries. Flex
+attention's backward gives each key tile one program that walks every query tile seeing it; at
+head size 256 that backward ran at about a tenth of its forward's rate on the H200. Here the work
+per program is bounded by the segment.
+
+On CUDA the kernels are torch's FlashAttention (`torch.ops.aten._flash_attention_forward` /
+`_backward`); elsewhere a plain reference of the same contract, so the CPU tests check the
+decomposition, the merge and the gradients against the other paths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from drafter_trainer.blocks import BlockBatch, segment_firsts
+
+
+@dataclass
+class VarlenPart:
+    """One varlen attention call: query rows cut at `cu_q`, keys gathered by `key_index` and cut
+    at `cu_k` (int32 boundaries, as the kernels take them). `rows`: queries whose sequence has a
+    key, None when all have (a query without keys takes no part in this part's softmax)."""
+
+    key_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    rows: torch.Tensor | None
+
+
+def fold_queries(q: torch.Tensor, groups: int, block_size: int) -> torch.Tensor:
+    """[N*B, h_kv*g, d] -> [N*g*B, h_kv, d]: block n's query i of head j of key head c becomes row
+    (n*g + j)*B + i of head c."""
+    rows, heads, d = q.shape
+    n = rows // block_size
+    return q.view(n, block_size, heads // groups, groups, d).permute(0, 3, 1, 2, 4).reshape(
+        rows * groups, heads // groups, d)
+
+
+def unfold_queries(x: torch.Tensor, groups: int, block_size: int) -> torch.Tensor:
+    """fold_queries inverted."""
+    rows, h_kv, d = x.shape
+    n = rows // (groups * block_size)
+    return x.view(n, groups, block_size, h_kv, d).permute(0, 2, 3, 1, 4).reshape(
+        n * block_size, h_kv * groups, d)
+
+
+class FlashPlan:
+    """The two parts of one chunk's attention. A plain object: opaque to torch.compile (a
+    compiled layer hands it to the eager attention without guarding on what is inside)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[VarlenPart]) -> None:
+        self.parts = parts
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[starts[0], starts[0]+lengths[0]) ++ [starts[1], ...) ... as one int64 array."""
+    lengths = lengths.astype(np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts.astype(np.int64) - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _boundaries(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def flash_plan(anchors: Sequence[int], docs: Sequence[int], doc_starts: Sequence[int], num_context: int,
+               block_size: int, segment_blocks: int, groups: int, device: torch.device) -> FlashPlan:
+    """The plan of one chunk from host values: per block its anchor (index into the chunk's
+    context), its document (-1: padding) and its document's first context index; `groups` query
+    heads per key head (a block's folded rows: groups * block_size).
+
+    Blocks are in anchor order (build_blocks), so a segment's first anchor is its least and
+    the part-B ranges are never negative. Padding blocks see only their own block."""
+    anchors = np.asarray(anchors, dtype=np.int64)
+    docs = np.asarray(docs, dtype=np.int64)
+    starts = np.asarray(doc_starts, dtype=np.int64)
+    n, b = len(anchors), block_size
+    valid = docs >= 0
+    seg_first = segment_firsts(docs, segment_blocks)
+    seg_blocks = np.diff(np.append(seg_first, n))
+    seg_of_block = np.repeat(np.arange(len(seg_first)), seg_blocks)
+    first_anchor = np.where(valid[seg_first], anchors[seg_first], 0)
+
+    a_len = np.where(valid[seg_first], first_anchor - starts[seg_first], 0)
+    part_a = _part(concat_ranges(starts[seg_first], a_len), seg_blocks * b * groups, a_len, device)
+
+    stair = np.where(valid, anchors - first_anchor[seg_of_block], 0)
+    own = num_context + np.arange(n, dtype=np.int64) * b
+    # per block: [first anchor of its segment, its anchor) then its own B keys
+    key_starts = np.stack([first_anchor[seg_of_block], own], axis=1).reshape(-1)
+    key_lens = np.stack([stair, np.full(n, b)], axis=1).reshape(-1)
+    part_b = _part(concat_ranges(key_starts, key_lens), np.full(n, b * groups), stair + b, device)
+    return FlashPlan([p for p in (part_a, part_b) if p is not None])
+
+
+def _part(key_index: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, device: torch.device) -> VarlenPart | None:
+    if not len(key_index):
+        return None
+    pinned = device.type == "cuda"
+
+    def up(a: np.ndarray) -> torch.Tensor:   # pinned, asynchronous: no wait for the device per chunk
+        t = torch.from_numpy(a)
+        return (t.pin_memory() if pinned else t).to(device, non_blocking=True)
+    rows = up(np.repeat(k_lens > 0, q_lens)) if (k_lens == 0).any() else None
+    return VarlenPart(key_index=up(key_index), cu_q=up(_boundaries(q_lens)), cu_k=up(_boundaries(k_lens)),
+                      max_q=int(q_lens.max()), max_k=int(k_lens.max()), rows=rows)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: VarlenPart, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, False, False, scale=scale)
+    return out, lse, (rng, unused)
+
+
+def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, p: VarlenPart, scale: float, rng: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, False, rng[0], rng[1], scale=scale)
+
+
+def _reference_scores(q: torch.Tensor, k: torch.Tensor, p: VarlenPart, scale: float):
+    """Per sequence: (query rows, key rows, fp32 scores [h, rows, keys]) with GQA expanded."""
+    g = q.shape[1] // k.shape[1]
+    cu_q, cu_k = p.cu_q.tolist(), p.cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        kk = k[rk].float().repeat_interleave(g, dim=1)
+        yield rq, rk, torch.einsum("qhd,khd->hqk", q[rq].float(), kk) * scale
+
+
+def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: VarlenPart, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for rq, rk, s in _reference_scores(q, k, p, scale):
+        if s.shape[-1]:
+            lse[:, rq] = torch.logsumexp(s, dim=-1)
+            out[rq] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v[rk].float().repeat_interleave(g, 1))
+    return out.to(q.dtype), lse, None
+
+
+def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, p: VarlenPart, scale: float, rng: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention backward of one part against the merged output and log-sum-exp."""
+    g = q.shape[1] // k.shape[1]
+    h_kv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    delta = (dout.float() * out.float()).sum(-1).t()                           # [h, Q]
+    for rq, rk, s in _reference_scores(q, k, p, scale):
+        prob = torch.exp(s - lse[:, rq, None])                                  # [h, q, k]
+        do = dout[rq].float()
+        vv = v[rk].float().repeat_interleave(g, 1)
+        dv[rk] += torch.einsum("hqk,qhd->khd", prob, do).view(-1, h_kv, g, q.shape[-1]).sum(2)
+        ds = prob * (torch.einsum("qhd,khd->hqk", do, vv) - delta[:, rq, None]) * scale
+        dq[rq] += torch.einsum("hqk,khd->qhd", ds, k[rk].float().repeat_interleave(g, 1))
+        dk[rk] += torch.einsum("hqk,qhd->khd", ds, q[rq].float()).view(-1, h_kv, g, q.shape[-1]).sum(2)
+    return dq, dk, dv
+
+
+class _BlockFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan, scale: float
+                ) -> torch.Tensor:
+        fwd = _flash_forward if q.is_cuda else _reference_forward
+        outs, lses, rngs = [], [], []
+        for p in plan.parts:
+            o, lse, rng = fwd(q, k.index_select(0, p.key_index), v.index_select(0, p.key_index), p, scale)
+            if p.rows is not None:       # queries without a key here: no share of this part
+                lse = lse.masked_fill(~p.rows, float("-inf"))
+                o = o.masked_fill(~p.rows[:, None, None], 0)
+            outs.append(o)
+            lses.append(lse)
+            rngs.append(rng)
+        if len(outs) == 1:
+            out, lse = outs[0], lses[0]
+        else:
+            # the two partial softmaxes weighed by their shares of the whole: wA + wB = 1, so
+            # out = oA + wB (oB - oA), one pass
+            lse = torch.logaddexp(lses[0], lses[1])                                 # [h_kv, R]
+            share_b = torch.exp(lses[1] - lse).t().unsqueeze(-1).to(q.dtype)
+            out = torch.lerp(outs[0], outs[1], share_b)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.rngs, ctx.scale = plan, rngs, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        bwd = _flash_backward if q.is_cuda else _reference_backward
+        dout = dout.contiguous()
+        dq = None
+        # a context key has a copy per segment and per block that sees it: fp32 sums of the copies
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for p, rng in zip(ctx.plan.parts, ctx.rngs):
+            dq_p, dk_p, dv_p = bwd(dout, q, k.index_select(0, p.key_index), v.index_select(0, p.key_index), out,
+                                   lse, p, ctx.scale, rng)
+            if p.rows is not None:
+                dq_p = dq_p.masked_fill(~p.rows[:, None, None], 0)
+            dq = dq_p if dq is None else dq + dq_p
+            dk.index_add_(0, p.key_index, dk_p.float())
+            dv.index_add_(0, p.key_index, dv_p.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def block_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan) -> torch.Tensor:
+    """q [R, h_kv, d] (the blocks' queries, `fold_queries`), k / v [T + N*B, h_kv, d] ([context ;
+    block keys]) -> [R, h_kv, d] in the folded row order. Scaled by 1 / sqrt(d)."""
+    return _BlockFlash.apply(q, k, v, plan, q.shape[-1] ** -0.5)
+
+
+def plan_of_blocks(blocks: BlockBatch, segment_blocks: int, groups: int) -> FlashPlan:
+    """The plan of a BlockBatch (from the host values its chunking read, or one read of them)."""
+    anchors, docs, starts = blocks.host_index()
+    return flash_plan(anchors, docs, starts, blocks.num_context, blocks.block_size, segment_blocks, groups,
+                      blocks.anchors.device)
