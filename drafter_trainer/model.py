@@ -320,22 +320,28 @@ def flash_kernels_available() -> bool:
         and torch.cuda.get_device_capability()[0] >= 8
 
 
-def resolve_attention(impl: str, device_type: str, head_dim: int, *, half: bool = True, sliding: bool = False) -> str:
+def resolve_attention(impl: str, device_type: str, head_dim: int, *, half: bool = True) -> str:
     """The attention path "auto" stands for: split on the CPU (it scores only the visible keys
     and needs no compiler). On CUDA, flash, the fastest path measured on the H200 (FlashAttention's
-    kernels: at the 27B shape and the published density a layer's attention forward + backward
-    took 0.41x flex's time, docs/benchmarks.md), where its kernels run: a head size they take
-    (a multiple of 8 up to 256), bf16 / fp16 compute (`half`), no sliding-window layer
-    (`sliding`; flash runs those through split). Otherwise flex, unless the head size is one
-    flex has no kernel for (not a power of two >= 16): then sdpa. Any other value is returned
-    as it is."""
+    kernels: at the 27B shape and the published density the step ran 1.088x faster than with
+    flex, docs/benchmarks.md), where its kernels run: a head size they take (a multiple of 8 up
+    to 256) and bf16 / fp16 compute (`half`). Otherwise flex, unless the head size is one flex
+    has no kernel for (not a power of two >= 16): then sdpa. Any other value is returned as it
+    is. (Under flash, sliding-window layers take `sliding_attention_path`.)"""
     if impl != "auto":
         return impl
     if device_type != "cuda":
         return "split"
-    if half and not sliding and head_dim % 8 == 0 and head_dim <= 256 and flash_kernels_available():
+    if half and head_dim % 8 == 0 and head_dim <= 256 and flash_kernels_available():
         return "flash"
     return "flex" if head_dim >= 16 and head_dim & (head_dim - 1) == 0 else "sdpa"
+
+
+def sliding_attention_path(device_type: str, compiled: bool) -> str:
+    """The path of a sliding-window layer under flash, which has no mask for a window (its key
+    runs would need one per query row): flex inside a compiled layer on CUDA, else split (eager
+    flex would compile a kernel of its own, what an eager step must not wait for)."""
+    return "flex" if device_type == "cuda" and compiled else "split"
 
 
 class DFlashAttention(nn.Module):
@@ -625,13 +631,12 @@ class DFlashDraftModel(nn.Module):
         windows = {layer.self_attn.sliding_window for layer in self.layers}
         half = noise_embedding.dtype in HALF_DTYPES or (
             torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in HALF_DTYPES)
-        impl = resolve_attention(self.attn_impl, device.type, cfg.head_dim, half=half,
-                                 sliding=any(w is not None for w in windows))
+        impl = resolve_attention(self.attn_impl, device.type, cfg.head_dim, half=half)
         if impl == "flash" and device.type == "cuda" and not half:
             raise DrafterConfigError("drafter.attn flash runs FlashAttention's kernels: on CUDA they need bf16 or "
                                      "fp16 compute (train.compute_dtype), not fp32")
-        # flash has no mask for a sliding window: those layers take the split path
-        impls = {w: "split" if impl == "flash" and w is not None else impl for w in windows}
+        sliding = sliding_attention_path(device.type, self.compiled)
+        impls = {w: sliding if impl == "flash" and w is not None else impl for w in windows}
         make_mask = {"split": lambda w: SplitMask(layout.segments, layout.split_masks(w)),
                      "sdpa": layout.dense_mask, "flex": layout.flex_mask,
                      "flash": lambda w: plan_of_blocks(blocks, max(1, segment_rows // cfg.block_size),

@@ -158,7 +158,8 @@ def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:
     kernel (its first call traces and compiles), so those steps use the split path, which scores
     only the visible keys and computes the same attention (tests compare the paths). On the H200
     at the published density an eager step took 7.4 s with it against 10.0 s with the dense-mask
-    SDPA kernel, which scores every key of the batch."""
+    SDPA kernel, which scores every key of the batch. Flash (CUDA's auto) runs precompiled
+    kernels and stays (its sliding-window layers run split while the model is eager)."""
     return "split" if resolve_attention(impl, device.type, head_dim) == "flex" and device.type == "cuda" else impl
 
 

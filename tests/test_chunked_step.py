@@ -58,7 +58,7 @@ def test_chunks_cover_every_block_once_with_the_context_its_blocks_can_see():
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-@pytest.mark.parametrize("impl", ["split", "sdpa"])
+@pytest.mark.parametrize("impl", ["split", "sdpa", "flash"])
 @pytest.mark.parametrize("per_chunk", [1, 5, 16])
 def test_chunked_backward_gives_the_unchunked_loss_and_gradients(impl, per_chunk, sliding):
     model = make_model(_cfg(sliding), std=0.05, attn_impl=impl)

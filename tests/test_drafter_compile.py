@@ -427,15 +427,17 @@ def test_a_background_warm_up_out_of_memory_still_switches_to_the_compiled_step(
 
 def test_auto_attention_is_flash_where_its_kernels_run_else_flex_else_sdpa(monkeypatch):
     from drafter_trainer import model as drafter_model
-    from drafter_trainer.model import resolve_attention
+    from drafter_trainer.model import resolve_attention, sliding_attention_path
 
     monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: True)
     assert [resolve_attention("auto", d, 256) for d in ("cuda", "cpu")] == ["flash", "split"]
     assert resolve_attention("auto", "cuda", 80) == "flash"          # any multiple of 8 up to 256
-    # fp32 compute, a sliding-window layer, a head size its kernels lack: flex, or sdpa
+    # fp32 compute, a head size its kernels lack: flex, or sdpa
     assert resolve_attention("auto", "cuda", 256, half=False) == "flex"
-    assert resolve_attention("auto", "cuda", 256, sliding=True) == "flex"
     assert resolve_attention("auto", "cuda", 512) == "flex" and resolve_attention("auto", "cuda", 12) == "sdpa"
+    # under flash a sliding-window layer runs flex in a compiled layer, else split (no compile)
+    assert [sliding_attention_path(d, c) for d, c in (("cuda", True), ("cuda", False), ("cpu", True))] == \
+        ["flex", "split", "split"]
     assert resolve_attention("flex", "cuda", 256) == "flex"          # an explicit choice stays
     monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: False)   # pre-sm80 GPUs
     assert resolve_attention("auto", "cuda", 256) == "flex"
