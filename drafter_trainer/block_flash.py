@@ -9,7 +9,7 @@ split into two parts that need none:
         the segment sees all of it: one varlen sequence, no mask.
     part B, per block: the context from the segment's first anchor to the block's own anchor
         (the keys the segment's blocks see a different amount of), then the block's own keys.
-        Every query of the block sees all of them: one varlen sequence of B queries, no mask.
+        Every query of the block sees all of them: one varlen sequence per block, no mask.
 
 Each part's keys are gathered into the contiguous runs varlen attention reads (a context key is
 copied once per segment that sees it in A, and once per block in B), the two partial softmaxes
@@ -20,8 +20,8 @@ gradients back in fp32.
 Queries come folded (`fold_queries`): the g query heads that share a key head are rows of that
 key head, so a block is g * B rows of h_kv heads. All of them see the same keys, and the kernels'
 query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
-them mostly idle. The model folds in its compiled graph, where the permutation costs no pass of
-its own.
+them mostly idle. The model folds in its compiled graph; inductor writes the permutation as a copy
+kernel of its own (0.17 s of a 5.0 s step on the H200, docs/benchmarks.md run AA5).
 
 Why: at the published density a chunk's few context keys serve thousands of block queries. Flex
 attention's backward gives each key tile one program that walks every query tile seeing it; at
