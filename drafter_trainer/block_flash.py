@@ -154,24 +154,22 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def _reference_scores(q: torch.Tensor, k: torch.Tensor, p: VarlenPart, scale: float):
-    """Per sequence: (query rows, key rows, fp32 scores [h, rows, keys]) with GQA expanded."""
-    g = q.shape[1] // k.shape[1]
+    """Per sequence: (query rows, key rows, fp32 scores [h, rows, keys]). Queries come folded, so
+    query and key heads are the same heads."""
     cu_q, cu_k = p.cu_q.tolist(), p.cu_k.tolist()
     for i in range(len(cu_q) - 1):
         rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        kk = k[rk].float().repeat_interleave(g, dim=1)
-        yield rq, rk, torch.einsum("qhd,khd->hqk", q[rq].float(), kk) * scale
+        yield rq, rk, torch.einsum("qhd,khd->hqk", q[rq].float(), k[rk].float()) * scale
 
 
 def _reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: VarlenPart, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor, None]:
-    g = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     for rq, rk, s in _reference_scores(q, k, p, scale):
         if s.shape[-1]:
             lse[:, rq] = torch.logsumexp(s, dim=-1)
-            out[rq] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v[rk].float().repeat_interleave(g, 1))
+            out[rq] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v[rk].float())
     return out.to(q.dtype), lse, None
 
 
@@ -179,8 +177,6 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         lse: torch.Tensor, p: VarlenPart, scale: float, rng: Any
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention backward of one part against the merged output and log-sum-exp."""
-    g = q.shape[1] // k.shape[1]
-    h_kv = k.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
@@ -188,11 +184,10 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     for rq, rk, s in _reference_scores(q, k, p, scale):
         prob = torch.exp(s - lse[:, rq, None])                                  # [h, q, k]
         do = dout[rq].float()
-        vv = v[rk].float().repeat_interleave(g, 1)
-        dv[rk] += torch.einsum("hqk,qhd->khd", prob, do).view(-1, h_kv, g, q.shape[-1]).sum(2)
-        ds = prob * (torch.einsum("qhd,khd->hqk", do, vv) - delta[:, rq, None]) * scale
-        dq[rq] += torch.einsum("hqk,khd->qhd", ds, k[rk].float().repeat_interleave(g, 1))
-        dk[rk] += torch.einsum("hqk,qhd->khd", ds, q[rq].float()).view(-1, h_kv, g, q.shape[-1]).sum(2)
+        dv[rk] += torch.einsum("hqk,qhd->khd", prob, do)
+        ds = prob * (torch.einsum("qhd,khd->hqk", do, v[rk].float()) - delta[:, rq, None]) * scale
+        dq[rq] += torch.einsum("hqk,khd->qhd", ds, k[rk].float())
+        dk[rk] += torch.einsum("hqk,qhd->khd", ds, q[rq].float())
     return dq, dk, dv
 
 
