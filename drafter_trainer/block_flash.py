@@ -18,10 +18,13 @@ output and log-sum-exp (exactly the gradient of the whole softmax) and sums the 
 gradients back in fp32.
 
 Queries come folded (`fold_queries`): the g query heads that share a key head are rows of that
-key head, so a block is g * B rows of h_kv heads. All of them see the same keys, and the kernels'
+key head, so a block is B * g rows of h_kv heads. All of them see the same keys, and the kernels'
 query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
-them mostly idle. The model folds in its compiled graph; inductor writes the permutation as a copy
-kernel of its own (0.17 s of a 5.0 s step on the H200, docs/benchmarks.md run AA5).
+them mostly idle. Folding is a view when the query heads are group-major: the model computes q
+with its q_proj's rows reordered that way (`group_major`) and the output projection with o_proj's
+columns reordered alike. Reordering the two weights costs nothing extra in the compiled layer
+(it joins the bf16 cast autocast makes of them anyway), where permuting q and the output took
+0.17 s of a 5.0 s step on the H200 (docs/benchmarks.md, run AA5). The checkpoint keeps its order.
 
 Why: at the published density a chunk's few context keys serve thousands of block queries. Flex
 attention's backward gives each key tile one program that walks every query tile seeing it; at
@@ -57,21 +60,26 @@ class VarlenPart:
     rows: torch.Tensor | None
 
 
-def fold_queries(q: torch.Tensor, groups: int, block_size: int) -> torch.Tensor:
-    """[N*B, h_kv*g, d] -> [N*g*B, h_kv, d]: block n's query i of head j of key head c becomes row
-    (n*g + j)*B + i of head c."""
+def group_major(t: torch.Tensor, kv_heads: int, groups: int, dim: int) -> torch.Tensor:
+    """`t` with h_kv * g heads of d entries along `dim`, in the checkpoint's order (head c*g + j is
+    query head j of key head c), reordered group-major (head j*h_kv + c). A copy. The inverse is
+    group_major(t, groups, kv_heads, dim): the same transpose of the [g, h_kv] grid."""
+    dim = dim % t.dim()
+    return t.unflatten(dim, (kv_heads, groups, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def fold_queries(q: torch.Tensor, groups: int) -> torch.Tensor:
+    """[L, g*h_kv, d] queries with their heads group-major (`group_major`) -> [L*g, h_kv, d]: query
+    head j of key head c at token t becomes row t*g + j of head c. A view: no copy."""
     rows, heads, d = q.shape
-    n = rows // block_size
-    return q.view(n, block_size, heads // groups, groups, d).permute(0, 3, 1, 2, 4).reshape(
-        rows * groups, heads // groups, d)
+    return q.view(rows * groups, heads // groups, d)
 
 
-def unfold_queries(x: torch.Tensor, groups: int, block_size: int) -> torch.Tensor:
-    """fold_queries inverted."""
+def unfold_queries(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """fold_queries inverted, flattened for the output projection: [L*g, h_kv, d] -> [L, g*h_kv*d],
+    heads group-major. A view."""
     rows, h_kv, d = x.shape
-    n = rows // (groups * block_size)
-    return x.view(n, groups, block_size, h_kv, d).permute(0, 2, 3, 1, 4).reshape(
-        n * block_size, h_kv * groups, d)
+    return x.view(rows // groups, groups * h_kv * d)
 
 
 class FlashPlan:
@@ -238,8 +246,9 @@ class _BlockFlash(torch.autograd.Function):
 
 
 def block_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan) -> torch.Tensor:
-    """q [R, h_kv, d] (the blocks' queries, `fold_queries`), k / v [T + N*B, h_kv, d] ([context ;
-    block keys]) -> [R, h_kv, d] in the folded row order. Scaled by 1 / sqrt(d)."""
+    """q [R, h_kv, d] (the blocks' queries, `fold_queries`: each block's B * g rows together),
+    k / v [T + N*B, h_kv, d] ([context ; block keys]) -> [R, h_kv, d] in q's row order. Scaled
+    by 1 / sqrt(d)."""
     return _BlockFlash.apply(q, k, v, plan, q.shape[-1] ** -0.5)
 
 

@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common.config import DrafterConfig, default_layer_ids
-from drafter_trainer.block_flash import block_flash_attention, fold_queries, plan_of_blocks, unfold_queries
+from drafter_trainer.block_flash import (block_flash_attention, fold_queries, group_major, plan_of_blocks,
+                                         unfold_queries)
 from drafter_trainer.blocks import AttentionLayout, BlockBatch
 from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
 
@@ -373,7 +374,12 @@ class DFlashAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], mask: Any, attn_impl: str) -> torch.Tensor:
         q_len = hidden_states.shape[0]
         cos, sin = rope                      # the block positions: its queries' and its keys'
-        q = self.q_norm(self.q_proj(hidden_states).view(q_len, self.num_heads, self.head_dim))
+        flash = attn_impl == "flash"
+        g, h_kv = self.num_heads // self.num_kv_heads, self.num_kv_heads
+        # flash folds each key head's g query heads into rows, a view when q's heads come
+        # group-major: q_proj's rows reordered so (block_flash.group_major), o_proj's columns alike
+        q_weight = group_major(self.q_proj.weight, h_kv, g, dim=0) if flash else self.q_proj.weight
+        q = self.q_norm(F.linear(hidden_states, q_weight).view(q_len, self.num_heads, self.head_dim))
         # Block keys/values go through the same projections, k_norm and RoPE as the context's
         # (context_kv) and are appended to them: [context ; block] keys, queries from the block only.
         k = self.k_norm(self.k_proj(hidden_states).view(q_len, self.num_kv_heads, self.head_dim))
@@ -381,10 +387,9 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         k = torch.cat([context_k.to(v.dtype), k], dim=0)
         v = torch.cat([context_v.to(v.dtype), v], dim=0)
-        if attn_impl == "flash":                # mask: a FlashPlan over the folded query rows
-            g, b = self.num_heads // self.num_kv_heads, self.block_size
-            out = _layer_flash_attention(fold_queries(q, g, b), k, v, mask)
-            return self.o_proj(unfold_queries(out, g, b).reshape(q_len, self.num_heads * self.head_dim))
+        if flash:                               # mask: a FlashPlan over the folded query rows
+            out = _layer_flash_attention(fold_queries(q, g), k, v, mask)
+            return F.linear(unfold_queries(out, g), group_major(self.o_proj.weight, h_kv, g, dim=1))
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":

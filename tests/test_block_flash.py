@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_trainer.block_flash import (block_flash_attention, flash_plan, fold_queries, plan_of_blocks,
-                                         unfold_queries)
+from drafter_trainer.block_flash import (block_flash_attention, flash_plan, fold_queries, group_major,
+                                         plan_of_blocks, unfold_queries)
 from drafter_trainer.blocks import AttentionLayout, build_blocks
 from drafter_trainer.model import split_attention
 from test_drafter_model import MASK, make_batch
@@ -59,13 +59,34 @@ def test_the_plan_of_a_chunk_reads_the_host_values_its_chunking_read():
             assert torch.equal(p.key_index, q.key_index) and torch.equal(p.cu_k, q.cu_k)
 
 
-def test_folding_query_heads_into_rows_round_trips():
+def test_folding_group_major_query_heads_into_rows_is_a_view():
     g, b, n, h_kv, d = 3, 4, 5, 2, 8
-    x = torch.randn(n * b, h_kv * g, d)
-    folded = fold_queries(x, g, b)
-    # block 1, query head 2 of key head 1 (head 1 * 3 + 2 = 5), row 3: folded row 1*g*b + 2*b + 3
-    assert torch.equal(folded[1 * g * b + 2 * b + 3, 1], x[1 * b + 3, 5])
-    assert torch.equal(unfold_queries(folded, g, b), x)
+    x = torch.randn(n * b, h_kv * g, d)          # checkpoint order: head c*g + j
+    gm = group_major(x.flatten(1), h_kv, g, dim=1).view(n * b, h_kv * g, d)
+    folded = fold_queries(gm, g)
+    assert folded.data_ptr() == gm.data_ptr() and folded.is_contiguous()
+    # token 7 (block 1, row 3), query head 2 of key head 1 (head 1 * 3 + 2 = 5): folded row 7*g + 2
+    assert torch.equal(folded[7 * g + 2, 1], x[7, 5])
+    # each block's rows are contiguous: block 1 is rows [b*g, 2*b*g)
+    assert torch.equal(folded[b * g:2 * b * g].sort(0).values,
+                       x[b:2 * b].view(b, h_kv, g, d).transpose(1, 2).reshape(b * g, h_kv, d).sort(0).values)
+    flat = unfold_queries(folded, g)
+    assert flat.data_ptr() == gm.data_ptr() and flat.shape == (n * b, g * h_kv * d)
+    assert torch.equal(group_major(flat, g, h_kv, dim=1), x.flatten(1))   # the inverse: the grid transposed
+
+
+def test_group_major_weights_give_the_checkpoint_order_projections():
+    """q from the reordered q_proj rows is q from the checkpoint's, heads reordered; the reordered
+    o_proj columns undo it on the output side."""
+    g, h_kv, d, hidden = 3, 2, 4, 10
+    torch.manual_seed(0)
+    x, wq, wo = torch.randn(6, hidden), torch.randn(h_kv * g * d, hidden), torch.randn(hidden, h_kv * g * d)
+    q = (x @ wq.t()).view(6, h_kv * g, d)
+    q_gm = (x @ group_major(wq, h_kv, g, dim=0).t()).view(6, h_kv * g, d)
+    assert torch.equal(q_gm[:, 1 * h_kv + 0], q[:, 0 * g + 1])      # group 1 of key head 0
+    heads = torch.randn(6, h_kv * g * d)                               # per-head outputs, checkpoint order
+    torch.testing.assert_close(group_major(heads, h_kv, g, dim=1) @ group_major(wo, h_kv, g, dim=1).t(),
+                               heads @ wo.t())
 
 
 def _attention_case(docs: list[int], anchors: list[int], block: int, heads: int, kv_heads: int, d: int,
@@ -85,9 +106,14 @@ def _with_grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], grad: torch
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, block: int) -> torch.Tensor:
-    """The model's use: queries folded, attention, unfolded."""
-    g = q.shape[1] // k.shape[1]
-    return unfold_queries(block_flash_attention(fold_queries(q, g, block), k, v, plan), g, block)
+    """The model's use: query heads group-major and folded, attention, unfolded; returned in the
+    checkpoint's head order."""
+    rows, heads, d = q.shape
+    h_kv = k.shape[1]
+    g = heads // h_kv
+    folded = fold_queries(group_major(q.flatten(1), h_kv, g, dim=1).view(rows, heads, d), g)
+    out = unfold_queries(block_flash_attention(folded, k, v, plan), g)
+    return group_major(out, g, h_kv, dim=1).view(rows, heads, d)
 
 
 def _split_reference(blocks, q, k, v, grad):

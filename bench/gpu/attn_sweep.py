@@ -138,7 +138,8 @@ def make_variants(names: list[str], options: list[str], layouts: list[Any], bloc
             split_masks[i] = layouts[i].split_masks(None)
         return split_masks[i]
 
-    from drafter_trainer.block_flash import FlashPlan, block_flash_attention, fold_queries, plan_of_blocks, unfold_queries
+    from drafter_trainer.block_flash import (FlashPlan, block_flash_attention, fold_queries, group_major, plan_of_blocks,
+                                             unfold_queries)
 
     plans: dict[int, Any] = {}
 
@@ -148,11 +149,14 @@ def make_variants(names: list[str], options: list[str], layouts: list[Any], bloc
             if i not in plans:
                 plans[i] = plan_of_blocks(layouts[i].blocks, max(1, layouts[i].segment_rows // block), g)
             plan = plans[i] if parts == slice(None) else FlashPlan(plans[i].parts[parts])
-            # [1, h, L, d] -> [L, h, d] (folded, as the model's compiled layer does it)
-            folded = fold_queries(q[0].transpose(0, 1), g, block)
+            # [1, h, L, d] -> [L, h, d], heads group-major and folded (the model gets group-major
+            # heads from its reordered q_proj weight: these reorders are the sweep's own copies)
+            h, length, d = q.shape[1:]
+            h_kv = k.shape[1]
+            folded = fold_queries(group_major(q[0].transpose(0, 1).flatten(1), h_kv, g, dim=1).view(length, h, d), g)
             out = block_flash_attention(folded, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(),
                                         plan)
-            return unfold_queries(out, g, block).transpose(0, 1)[None]
+            return group_major(unfold_queries(out, g), g, h_kv, dim=1).view(length, h, d).transpose(0, 1)[None]
         return flash
 
     for name in names:
