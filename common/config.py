@@ -68,7 +68,7 @@ class DrafterConfig:
     block_size: int = 16
     mask_token_id: int = -1             # -1: from the tokenizer's mask token
     max_anchors: int = 512              # anchors per document (the DFlash recipe's cap), not per batch
-    blocks_per_chunk: int = 0           # blocks per forward+backward chunk of a step; 0: auto (16,384 block tokens)
+    blocks_per_chunk: int = 0           # blocks per forward+backward chunk of a step; 0: auto (12,288 block tokens)
     gamma: float = 0.0                  # 0: 7 for B=16, 5 for B=10, 4 for B=8
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention

@@ -165,13 +165,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def auto_blocks_per_chunk(block_size: int) -> int:
-    """drafter.blocks_per_chunk 0: blocks of AUTO_CHUNK_ROWS block tokens in all (512 blocks of
-    16). Large enough that every GEMM of a chunk is a full-size one, small enough that a chunk's
-    activations at the 27B width stay near 9 GB (docs/benchmarks.md, P5d)."""
+    """drafter.blocks_per_chunk 0: blocks of AUTO_CHUNK_ROWS block tokens in all (768 blocks of
+    16). Every GEMM of a chunk is a full-size one either way; each chunk also pays a fixed cost
+    (every weight cast to bf16, every weight gradient summed into fp32 `.grad`, the key copies'
+    gradient sums), so fewer chunks step faster, while the peak grows with the chunk. At the 27B
+    width and the published density (H200, flash attention) 768 blocks stepped 2.4% faster than
+    512, at a 57.5 GB peak against 53.0 (docs/benchmarks.md, P5d), under the 60 GB budget."""
     return max(1, AUTO_CHUNK_ROWS // block_size)
 
 
-AUTO_CHUNK_ROWS = 8192
+AUTO_CHUNK_ROWS = 12288
 
 
 def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,
