@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from common.batch import PackedBatch
+from drafter_trainer import ce_kernel
 from drafter_trainer.blocks import BlockBatch, chunk_bounds
 from drafter_trainer.model import ContextError, DFlashDraftModel
 from drafter_trainer.target_head import TargetHeadError
@@ -104,14 +105,18 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weight
 _compiled_cross_entropy = None
 
 
-def cross_entropy_fn(compiled: bool):
-    """`softmax_cross_entropy`, eager or through torch.compile (built once per process).
+def cross_entropy_fn(compiled: bool, device: torch.device | None = None):
+    """The loss head's elementwise half for logits on `device`: on CUDA the Triton kernel
+    (`ce_kernel`, compiled or not: it needs no compile), else `softmax_cross_entropy`, eager or
+    through torch.compile (built once per process).
 
     Rows are dynamic (the last chunk is shorter, and a batch's row count is its positive-weight
     rows), V is not: one graph per need_grad value serves every chunk. Padding the last chunk to
     a fixed shape instead would spend up to a chunk of elementwise work on rows that carry nothing.
     """
     global _compiled_cross_entropy
+    if device is not None and device.type == "cuda" and ce_kernel.available():
+        return ce_kernel.softmax_cross_entropy_kernel
     if not compiled:
         return softmax_cross_entropy
     if _compiled_cross_entropy is None:
@@ -135,7 +140,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # Autograd runs forward in no-grad mode, so the caller says whether a backward will come.
         need_grad = with_grad and ctx.needs_input_grad[0]
-        cross_entropy = cross_entropy_fn(compiled)
+        cross_entropy = cross_entropy_fn(compiled, hidden.device)
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None

@@ -108,7 +108,9 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         p.grad = grad
     with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
         decode()   # the held-out eval's graphs (no autograd)
-    if model.compiled:   # the loss head's elementwise half: one graph with a gradient, one without
+    if model.compiled or device.type == "cuda":
+        # the loss head's elementwise half: one graph (or, on CUDA, one kernel variant) with a
+        # gradient, one without
         logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype, generator=gen)
         labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device, generator=gen)
         weights = torch.rand(WARMUP_LOSS_ROWS, device=device, generator=gen)
@@ -116,7 +118,7 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         # grad mode: graphs are guarded on grad mode, so a call with it on compiles others
         with torch.no_grad():
             for need_grad in (True, False):
-                cross_entropy_fn(True)(logits.clone(), labels, weights, need_grad)
+                cross_entropy_fn(True, device)(logits.clone(), labels, weights, need_grad)
 
 
 # ---- compiling behind the first steps ------------------------------------------------------------

@@ -228,6 +228,41 @@ def test_cuda_compiled_loss_head_equals_the_per_chunk_math_on_bf16_logits():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_loss_head_kernel_equals_the_per_chunk_math(dtype):
+    from drafter_trainer import ce_kernel
+
+    assert ce_kernel.available()
+    kernel = cross_entropy_fn(compiled=False, device=torch.device("cuda"))
+    assert kernel is ce_kernel.softmax_cross_entropy_kernel          # CUDA's head, compiled or not
+    # fewer columns than one tile, a ragged last tile, the 27B vocabulary; 37 rows and 1
+    for rows, vocab in ((37, 300), (37, 50_001), (1, 248_320), (64, 248_320)):
+        logits, labels, weights = chunk_case(rows, vocab=vocab, dtype=dtype, seed=rows + vocab)
+        if rows > 5:
+            # ties of the max: the first index is the argmax (torch.argmax), in one tile and across tiles
+            logits[3, [5, vocab - 2]] = logits[5, [7, 8]] = 30.0
+            labels[3], labels[5] = vocab - 2, 7
+        logits, labels, weights = logits.cuda(), labels.cuda(), weights.cuda()
+        for need_grad in (True, False):
+            want = per_chunk_reference(logits, labels, weights, need_grad)
+            buffer = logits.clone()
+            got = kernel(buffer, labels, weights, need_grad)
+            assert_same_head(got, want, logits, weights, exact=False)
+            assert torch.equal(got[1], want[1])
+            if need_grad:
+                assert got[2].data_ptr() == buffer.data_ptr(), "the gradient is written over the logits"
+            else:
+                assert torch.equal(buffer, logits), "without a gradient the logits stay as they were"
+        if rows > 5:
+            assert not bool(got[1][3]) and bool(got[1][5])
+    # a NaN logit makes its row's CE and gradient NaN: the step's finite check then skips the step
+    logits[0, 17] = float("nan")
+    ce, _, grad = kernel(logits.clone(), labels, weights, True)
+    assert torch.isnan(ce) and torch.isnan(grad[0].float()).all() and torch.isfinite(grad[1:].float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl", ["flex", "sdpa", "flash"])
 def test_cuda_compiled_drafter_agrees_with_eager_under_bf16_autocast(impl):
     cfg = tiny_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
