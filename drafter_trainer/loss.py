@@ -15,11 +15,10 @@ chunk would cost three). The head is frozen: no gradient for W is ever formed.
 
 Between the two matmuls lies only elementwise work over a [chunk, V] buffer, and at V = 248K it
 is the largest elementwise cost of a step: run as separate eager kernels (cast, gather, argmax,
-max, exp, sum, divide, one-hot, scale, cast back) it moves ~50 bytes per logit. Compiled (on CUDA,
-`drafter.compile`), `softmax_cross_entropy` becomes a reduction kernel (max and argmax, then the
-sum of exponentials: two reads of the bf16 logits, one where inductor fuses them as an online
-softmax) and a pointwise one that writes the bf16 gradient over the logits: ~8 bytes per logit.
-The matmuls stay outside, in cuBLAS.
+max, exp, sum, divide, one-hot, scale, cast back) it moves ~50 bytes per logit. On CUDA it is one
+Triton kernel (`ce_kernel`: two passes over each row, ~6 bytes per bf16 logit, no compile
+needed, so the eager first steps have it too); elsewhere `softmax_cross_entropy`, eager. The
+matmuls stay outside, in cuBLAS.
 """
 from __future__ import annotations
 
@@ -68,32 +67,19 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weight
     caller's scratch: the gradient is written over them (and returned), so a chunk never holds a
     second [R, V] buffer in the matmul's dtype.
 
-    One math, written twice where the two executions want different spellings of it:
-    - eager (CPU; drafter.compile off): in place on one fp32 buffer that holds the logits, then
-      exp(logits - max), then the gradient (out of place would allocate three more);
-    - compiled: out of place, which inductor turns into a reduction kernel (max, argmax, sum of
-      exponentials; the target logit is a gather) and one pointwise pass that recomputes
-      exp(logits - max) from the logits and writes the gradient over them. Sharing one
-      exp(logits - max) tensor between the sum and the gradient (or writing in place) makes
-      inductor keep it as an fp32 [R, V] buffer between the passes; the one-hot is a comparison
-      with the column index, since an indexed update would be a scatter kernel splitting the
-      pointwise pass in two.
+    The eager spelling (CPU, and CUDA without Triton; CUDA runs `ce_kernel`): in place on one fp32
+    buffer that holds the logits, then exp(logits - max), then the gradient (out of place would
+    allocate three more).
     """
-    compiling = torch.compiler.is_compiling()
     x = logits.float()                               # the logits themselves when they are fp32
     target_logit = x.gather(1, labels[:, None]).squeeze(1)
     correct = x.argmax(dim=-1) == labels
     top = x.amax(dim=-1, keepdim=True)
-    shifted_exp = (x - top).exp() if compiling else x.sub_(top).exp_()
+    shifted_exp = x.sub_(top).exp_()
     sum_exp = shifted_exp.sum(dim=-1, keepdim=True)
     ce_sum = ((top + sum_exp.log()).squeeze(1) - target_logit).mul(row_weights).sum()
     if not need_grad:
         return ce_sum, correct, None
-    if compiling:
-        onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
-        softmax = (x - top).exp() / sum_exp                             # recomputed, not stored
-        logits.copy_((softmax - onehot.to(x.dtype)) * row_weights[:, None])
-        return ce_sum, correct, logits
     softmax = shifted_exp.div_(sum_exp)                                 # still the one buffer
     softmax[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
     grad = softmax.mul_(row_weights[:, None])
@@ -102,33 +88,12 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weight
     return ce_sum, correct, logits
 
 
-_compiled_cross_entropy = None
-
-
-def cross_entropy_fn(compiled: bool, device: torch.device | None = None):
-    """The loss head's elementwise half for logits on `device`: on CUDA the Triton kernel
-    (`ce_kernel`, compiled or not: it needs no compile), else `softmax_cross_entropy`, eager or
-    through torch.compile (built once per process).
-
-    Rows are dynamic (the last chunk is shorter, and a batch's row count is its positive-weight
-    rows), V is not: one graph per need_grad value serves every chunk. Padding the last chunk to
-    a fixed shape instead would spend up to a chunk of elementwise work on rows that carry nothing.
-    """
-    global _compiled_cross_entropy
-    if device is not None and device.type == "cuda" and ce_kernel.available():
+def cross_entropy_fn(device: torch.device):
+    """The loss head's elementwise half for logits on `device`: the Triton kernel on CUDA
+    (`ce_kernel`), else `softmax_cross_entropy`."""
+    if device.type == "cuda" and ce_kernel.available():
         return ce_kernel.softmax_cross_entropy_kernel
-    if not compiled:
-        return softmax_cross_entropy
-    if _compiled_cross_entropy is None:
-        compiled_fn = torch.compile(softmax_cross_entropy)
-
-        def call(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor, need_grad: bool):
-            for t in (logits, labels, row_weights):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            return compiled_fn(logits, labels, row_weights, need_grad)
-
-        _compiled_cross_entropy = call
-    return _compiled_cross_entropy
+    return softmax_cross_entropy
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -136,11 +101,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                row_weights: torch.Tensor, chunk: int, with_grad: bool,
-                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                row_weights: torch.Tensor, chunk: int, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # Autograd runs forward in no-grad mode, so the caller says whether a backward will come.
         need_grad = with_grad and ctx.needs_input_grad[0]
-        cross_entropy = cross_entropy_fn(compiled, hidden.device)
+        cross_entropy = cross_entropy_fn(hidden.device)
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
@@ -148,8 +112,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             start, n = 0, hidden.shape[0]
             while start < n:
                 end = min(n, start + chunk)
-                if n - end == 1:
-                    end = n   # no one-row last piece: dynamo would specialise its size and compile again
                 rows = slice(start, end)
                 start = end
                 logits = hidden[rows].to(weight.dtype) @ weight.t()
@@ -166,7 +128,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, _grad_correct: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_ce.to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * grad_ce.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def auto_blocks_per_chunk(block_size: int) -> int:
@@ -278,7 +240,7 @@ def _chunk_ce(model: DFlashDraftModel, part: BlockBatch, kv: list[tuple[torch.Te
     # backward gives them zero gradients and DDP's reduction stays in step across ranks.
     return _ChunkedLinearCrossEntropy.apply(
         hidden[rows], model.lm_head.weight, part.labels.reshape(-1)[rows], part.weights.reshape(-1)[rows],
-        chunk, torch.is_grad_enabled() and hidden.requires_grad, model.compiled)
+        chunk, torch.is_grad_enabled() and hidden.requires_grad)
 
 
 def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor]:

@@ -443,8 +443,7 @@ class DFlashDraftModel(nn.Module):
     kernel, compiled on CUDA), "flash" (FlashAttention's varlen kernels over per-segment and
     per-block key runs, block_flash.py; CUDA, bf16/fp16); "auto": `resolve_attention`. All
     evaluate one mask rule (AttentionLayout.visible) and agree numerically (tests).
-    `compile_for` runs the decoder layers and the two norms through torch.compile (see there);
-    `compiled` tells the loss to use its compiled cross-entropy as well.
+    `compile_for` runs the decoder layers and the two norms through torch.compile (see there).
     """
 
     FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -458,7 +457,7 @@ class DFlashDraftModel(nn.Module):
         self.attn_impl = attn_impl
         self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
         self.segment_rows = 0               # split path: query rows scored per segment; 0: SEGMENT_ROWS by device
-        self.compiled = False               # set by compile_for; the loss reads it too
+        self.compiled = False               # set by compile_for
         h = config.hidden_size
         self.fc = nn.Linear(config.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
@@ -517,7 +516,7 @@ class DFlashDraftModel(nn.Module):
         "auto" compiles on CUDA only: on the CPU (tests, the demo) the compile time is not repaid.
         Shapes are dynamic: the context length T changes with every batch. The split attention
         path runs eager between two compiled graphs of a layer (`_layer_split_attention`). Returns
-        whether the model is compiled now; the loss then compiles its cross-entropy too. Asking
+        whether the model is compiled now. Asking
         again for the current state changes nothing (a second Module.compile would trace anew).
         """
         global _layer_split_attention, _layer_flash_attention

@@ -1,7 +1,7 @@
 """Compile the drafter's kernels beside a trainer's first steps: the trainer's one start-up path.
 
 A trainer's first step on CUDA pays for compiling its kernels: flex attention, the compiled
-layers and the fused cross-entropy (`drafter.compile`), Triton's autotuning of them, and cuBLAS's
+layers (`drafter.compile`), the loss head's Triton kernel, Triton's autotuning, and cuBLAS's
 first calls. From the inductor cache that is still seconds (dynamo keeps no cache across
 processes); cold it is tens of seconds. Nothing in that work depends on the target's weights or
 on real data, only on shapes. So `CompileBehind` takes it off a restart's critical path: the
@@ -37,7 +37,7 @@ from drafter_trainer.model import DFlashDraftModel, resolve_attention
 
 
 WARMUP_DOCS = 4            # documents in the random batch: block masks with several documents
-WARMUP_LOSS_ROWS = 64      # rows of the random logits the cross-entropy is compiled on
+WARMUP_LOSS_ROWS = 64      # rows of the random logits the loss head kernel is first run on
 WARMUP_SEED = 1            # the warm-up's own generators: it draws nothing from the training's RNG
 
 log = logging.getLogger("dfpipe.trainer")
@@ -108,17 +108,13 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         p.grad = grad
     with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
         decode()   # the held-out eval's graphs (no autograd)
-    if model.compiled or device.type == "cuda":
-        # the loss head's elementwise half: one graph (or, on CUDA, one kernel variant) with a
-        # gradient, one without
+    if device.type == "cuda":   # the loss head's kernel (ce_kernel): its variant with a gradient, and without
         logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype, generator=gen)
         labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device, generator=gen)
         weights = torch.rand(WARMUP_LOSS_ROWS, device=device, generator=gen)
-        # no_grad as in the loss, whose autograd.Function runs its forward (and so this) without
-        # grad mode: graphs are guarded on grad mode, so a call with it on compiles others
-        with torch.no_grad():
+        with torch.no_grad():      # as in the loss, whose autograd.Function runs its forward so
             for need_grad in (True, False):
-                cross_entropy_fn(True, device)(logits.clone(), labels, weights, need_grad)
+                cross_entropy_fn(device)(logits.clone(), labels, weights, need_grad)
 
 
 # ---- compiling behind the first steps ------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""drafter.compile: the fused cross-entropy and the compiled layers compute what the eager code did.
+"""drafter.compile and the loss head: the compiled layers and the head's kernels compute what the
+eager code did.
 
 The compiled paths run on the CPU here through inductor's C++ backend (the GPU run uses Triton,
-the same graphs): the loss head's elementwise function against the per-chunk math it replaced,
-the chunked loss against full logits, and a compiled drafter against an eager one over two
-context lengths (dynamic shapes: the second batch must neither crash nor recompile wrongly).
+the same graphs): the loss head's elementwise function against the per-chunk math it replaced
+(on CUDA also its Triton kernel), the chunked loss against full logits, and a compiled drafter
+against an eager one over two context lengths (dynamic shapes: the second batch must neither
+crash nor recompile wrongly).
 Compiles are a few seconds each on two cores, so each graph is built once and shapes are tiny.
 """
 from __future__ import annotations
@@ -88,24 +90,7 @@ def test_fused_cross_entropy_equals_the_per_chunk_math_it_replaced(dtype, need_g
         assert not got[2][2].any() and got[2][0].any()              # weight 0: no gradient
 
 
-@pytest.mark.usefixtures("cxx_compiler")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_cross_entropy_equals_the_per_chunk_math_for_any_row_count(dtype):
-    fused = cross_entropy_fn(compiled=True)
-    for rows in (9, 5):       # the last chunk is shorter: the same graph (dynamic rows) must serve it
-        logits, labels, weights = chunk_case(rows, dtype=dtype, seed=rows)
-        want = per_chunk_reference(logits, labels, weights, True)
-        buffer = logits.clone()
-        got = fused(buffer, labels, weights, True)
-        assert got[2].data_ptr() == buffer.data_ptr(), "the gradient is written over the logits"
-        assert_same_head(got, want, logits, weights, exact=False)
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(compiled,
-                                                                                request: pytest.FixtureRequest):
-    if compiled:
-        request.getfixturevalue("cxx_compiler")
+def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy():
     g = torch.Generator().manual_seed(3)
     rows, hidden_size, vocab = 11, 16, 300
     hidden = torch.randn(rows, hidden_size, generator=g, requires_grad=True)
@@ -117,7 +102,7 @@ def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy(c
 
     want = (F.cross_entropy(hidden @ head.t(), labels, reduction="none") * weights).sum()
     (want_grad,) = torch.autograd.grad(want, hidden)
-    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, head, labels, weights, 4, True, compiled)
+    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, head, labels, weights, 4, True)
     (got_grad,) = torch.autograd.grad(ce_sum * 2.0, hidden)
     # the logits sum hidden_size terms, the loss a softmax over the vocabulary per row, then the rows;
     # the hidden gradient sums (p - onehot) * W over the vocabulary after the same forward
@@ -146,7 +131,7 @@ def test_compiled_drafter_equals_eager_over_two_context_lengths(impl, layers):
         results = []
         for model in (eager, compiled):
             model.zero_grad(set_to_none=True)
-            out = dflash_loss(model, batch, blocks, chunk=8)       # the compiled loss head too
+            out = dflash_loss(model, batch, blocks, chunk=8)
             out.loss.backward()
             hidden = model(batch.hidden, blocks.block_input_ids, blocks).detach()   # the same graph again
             results.append((hidden, out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
@@ -218,22 +203,12 @@ def test_compile_option_is_checked():
 # ---- CUDA (the GPU host: pytest -k cuda tests/test_drafter_compile.py) ---------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_compiled_loss_head_equals_the_per_chunk_math_on_bf16_logits():
-    fused = cross_entropy_fn(compiled=True)
-    for rows in (64, 37):
-        logits, labels, weights = (t.cuda() for t in chunk_case(rows, vocab=50_000, dtype=torch.bfloat16, seed=rows))
-        want = per_chunk_reference(logits, labels, weights, True)
-        assert_same_head(fused(logits.clone(), labels, weights, True), want, logits, weights, exact=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_loss_head_kernel_equals_the_per_chunk_math(dtype):
     from drafter_trainer import ce_kernel
 
     assert ce_kernel.available()
-    kernel = cross_entropy_fn(compiled=False, device=torch.device("cuda"))
+    kernel = cross_entropy_fn(torch.device("cuda"))
     assert kernel is ce_kernel.softmax_cross_entropy_kernel          # CUDA's head, compiled or not
     # fewer columns than one tile, a ragged last tile, the 27B vocabulary; 37 rows and 1
     for rows, vocab in ((37, 300), (37, 50_001), (1, 248_320), (64, 248_320)):
@@ -330,7 +305,7 @@ def test_cuda_warm_up_compiles_every_graph_the_first_step_runs(impl):
 
     from drafter_trainer.warmup import warm_up_kernels
 
-    torch._dynamo.reset()    # graphs an earlier test compiled (the loss head's are process-wide) count here
+    torch._dynamo.reset()    # graphs an earlier test compiled count here
     device = torch.device("cuda", 0)
     model = make_model(attn_impl=impl).to(device)
     model.set_target_head(model.embed_tokens.weight.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16))

@@ -71,7 +71,6 @@ FULL: dict[str, Any] = dict(
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
     p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
-    p5d_baseline_loss_head="",   # p5d: "torch": the baseline runs the loss head's torch math (compiled), not the CUDA kernel
 )
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
@@ -511,7 +510,7 @@ def part_p5d(ctx: Ctx) -> str:
     if ctx.cuda and a.p5_profile:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
-    if a.p5d_baseline_attn or a.p5d_baseline_loss_head:
+    if a.p5d_baseline_attn:
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
     ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
@@ -523,31 +522,23 @@ def part_p5d(ctx: Ctx) -> str:
 
 def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
                  headline: dict[str, Any]) -> dict[str, Any]:
-    """The headline's batches and chunk size stepped with --p5d-baseline-attn (default: the
-    headline's path) and, with --p5d-baseline-loss-head torch, the loss head's torch math instead
-    of its CUDA kernel: the headline's speed-up over that, in the same process (MFU from the same
-    model FLOPs)."""
+    """The headline's batches and chunk size stepped with --p5d-baseline-attn instead: the
+    headline's speed-up over it, in the same process (MFU from the same model FLOPs)."""
     from dataclasses import replace
 
     from bench.trainer_bench import step_flops
-    from drafter_trainer import ce_kernel
     from drafter_trainer.model import resolve_attention
 
-    impl = resolve_attention(a.p5d_baseline_attn or rig.model.attn_impl, rig.device.type, rig.config.head_dim)
+    impl = resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim)
     headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
-    kernel_available = ce_kernel.available
-    if a.p5d_baseline_loss_head == "torch":
-        ce_kernel.available = lambda: False      # the loss then takes softmax_cross_entropy, compiled
     rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
         times = rig.timed(work, len(work), a.p5d_steps)
     finally:
         rig.model.attn_impl = headline_impl
-        ce_kernel.available = kernel_available
     steps = [work[i % len(work)] for i in range(len(times))]
     model_flops = sum(step_flops(rig.config, b, bl, impl, chunk)["model_total"] for b, bl in steps)
-    out = {"attn": impl, "loss_head": a.p5d_baseline_loss_head or "kernel", "step_s": float(np.median(times)),
-           "step_s_all": times,
+    out = {"attn": impl, "step_s": float(np.median(times)), "step_s_all": times,
            "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times),
            "mfu": model_flops / sum(times) / 1e12 / peak}
     if rig.cuda:
