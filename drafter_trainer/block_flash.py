@@ -22,9 +22,10 @@ key head, so a block is B * g rows of h_kv heads. All of them see the same keys,
 query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
 them mostly idle. Folding is a view when the query heads are group-major: the model computes q
 with its q_proj's rows reordered that way (`group_major`) and the output projection with o_proj's
-columns reordered alike. Reordering the two weights costs nothing extra in the compiled layer
-(it joins the bf16 cast autocast makes of them anyway), where permuting q and the output took
-0.17 s of a 5.0 s step on the H200 (docs/benchmarks.md, run AA5). The checkpoint keeps its order.
+columns reordered alike. The reorder is fused into the bf16 cast autocast makes of the weights
+anyway; that fused kernel runs slower than a plain cast (0.09 s of a 4.9 s step on the H200), but
+permuting q and the output took 0.17 s (docs/benchmarks.md, runs AA5 and AA6). The checkpoint
+keeps its order.
 
 Why: at the published density a chunk's few context keys serve thousands of block queries. Flex
 attention's backward gives each key tile one program that walks every query tile seeing it; at
