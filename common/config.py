@@ -75,6 +75,7 @@ class DrafterConfig:
     split_fc: bool = False
     attn: str = "auto"                  # split | sdpa | flex | flash; auto: split on CPU, flash on CUDA (else flex)
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
+    precision: str = "auto"             # matmuls: bf16 | fp8 (scaled e4m3, Ada/Hopper) | fp8-emulated; auto: fp8 where it runs
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
     num_heads: int = 0                  # 0: the target's attention heads
@@ -272,6 +273,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex", "flash"),
          "drafter.attn: auto | split | sdpa | flex | flash")
     need(cfg.drafter.compile in ("auto", "off", "on"), "drafter.compile: auto | off | on")
+    need(cfg.drafter.precision in ("auto", "bf16", "fp8", "fp8-emulated"),
+         "drafter.precision: auto | bf16 | fp8 | fp8-emulated")
     need(not cfg.drafter.layer_types or len(cfg.drafter.layer_types) == cfg.drafter.num_layers,
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,

@@ -31,6 +31,7 @@ from common.config import DrafterConfig, default_layer_ids
 from drafter_trainer.block_flash import (block_flash_attention, fold_queries, group_major, plan_of_blocks,
                                          unfold_queries)
 from drafter_trainer.blocks import AttentionLayout, BlockBatch
+from drafter_trainer.fp8 import HeadMatmuls, head_matmuls_of, linear
 from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -345,6 +346,20 @@ def sliding_attention_path(device_type: str, compiled: bool) -> str:
     return "flex" if device_type == "cuda" and compiled else "split"
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias whose matmuls run in the drafter's precision (`fp8.linear`): the
+    plain one in the compute dtype, or scaled e4m3 (`DFlashDraftModel.precision`). State-dict
+    names and checkpoints are nn.Linear's."""
+
+    precision = "bf16"
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.precision)
+
+
 class DFlashAttention(nn.Module):
     """Block tokens attend to [context ; block tokens]; only block tokens make queries."""
 
@@ -354,10 +369,10 @@ class DFlashAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.block_size = config.block_size
         self.sliding_window = config.layer_window(layer_idx)
-        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * hd)
+        self.k_proj = Linear(h, self.num_kv_heads * hd)
+        self.v_proj = Linear(h, self.num_kv_heads * hd)
+        self.o_proj = Linear(self.num_heads * hd, h)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
@@ -379,7 +394,8 @@ class DFlashAttention(nn.Module):
         # flash folds each key head's g query heads into rows, a view when q's heads come
         # group-major: q_proj's rows reordered so (block_flash.group_major), o_proj's columns alike
         q_weight = group_major(self.q_proj.weight, h_kv, g, dim=0) if flash else self.q_proj.weight
-        q = self.q_norm(F.linear(hidden_states, q_weight).view(q_len, self.num_heads, self.head_dim))
+        precision = self.q_proj.precision
+        q = self.q_norm(linear(hidden_states, q_weight, precision).view(q_len, self.num_heads, self.head_dim))
         # Block keys/values go through the same projections, k_norm and RoPE as the context's
         # (context_kv) and are appended to them: [context ; block] keys, queries from the block only.
         k = self.k_norm(self.k_proj(hidden_states).view(q_len, self.num_kv_heads, self.head_dim))
@@ -389,7 +405,7 @@ class DFlashAttention(nn.Module):
         v = torch.cat([context_v.to(v.dtype), v], dim=0)
         if flash:                               # mask: a FlashPlan over the folded query rows
             out = _layer_flash_attention(fold_queries(q, g), k, v, mask)
-            return F.linear(unfold_queries(out, g), group_major(self.o_proj.weight, h_kv, g, dim=1))
+            return linear(unfold_queries(out, g), group_major(self.o_proj.weight, h_kv, g, dim=1), precision)
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":
@@ -406,9 +422,9 @@ class DFlashMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -448,7 +464,8 @@ class DFlashDraftModel(nn.Module):
 
     FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
 
-    def __init__(self, config: DFlashConfig, split_fc: bool = False, attn_impl: str = "auto") -> None:
+    def __init__(self, config: DFlashConfig, split_fc: bool = False, attn_impl: str = "auto",
+                 precision: str = "bf16") -> None:
         super().__init__()
         if attn_impl not in ATTN_IMPLS:
             raise DrafterConfigError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
@@ -458,8 +475,9 @@ class DFlashDraftModel(nn.Module):
         self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
         self.segment_rows = 0               # split path: query rows scored per segment; 0: SEGMENT_ROWS by device
         self.compiled = False               # set by compile_for
+        self._head_cache: dict = {}         # head_matmuls: the quantized lm_head, made once
         h = config.hidden_size
-        self.fc = nn.Linear(config.num_context_layers * h, h, bias=False)
+        self.fc = Linear(config.num_context_layers * h, h)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -468,6 +486,21 @@ class DFlashDraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
+        self.precision = precision
+
+    @property
+    def precision(self) -> str:
+        """The matmul precision of every linear layer and of the loss head: "bf16" (the compute
+        dtype), "fp8" or "fp8-emulated" (`fp8.py`); resolved, never "auto" (fp8.resolve_precision)."""
+        return self.fc.precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in ("bf16", "fp8", "fp8-emulated"):
+            raise DrafterConfigError(f"precision must be bf16, fp8 or fp8-emulated (resolved), got {value!r}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.precision = value
 
     # -- the target's frozen head ------------------------------------------------------------
     def set_target_head(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
@@ -575,6 +608,8 @@ class DFlashDraftModel(nn.Module):
         if not self.split_fc:
             return self.fc(target_hidden.permute(1, 0, 2).reshape(t, k * h))
         fc_i = self.fc.weight.view(h, k, h).unbind(1)            # column block i multiplies plane i
+        if self.precision != "bf16":
+            return sum(linear(target_hidden[i], fc_i[i], self.precision) for i in range(k))
         context = F.linear(target_hidden[0], fc_i[0])
         for i in range(1, k):
             context = torch.addmm(context, target_hidden[i], fc_i[i].t())
@@ -656,6 +691,13 @@ class DFlashDraftModel(nn.Module):
             else:
                 hidden_states = layer(*args)
         return self.norm(hidden_states)
+
+    def head_matmuls(self) -> HeadMatmuls:
+        """The loss head's matmuls against the frozen lm_head in this model's precision (in fp8 the
+        head is quantized once, and again only when another head is installed)."""
+        if not self.lm_head.loaded:
+            raise TargetHeadError("the target's lm_head is not loaded (load_target_head / set_target_head)")
+        return head_matmuls_of(self.lm_head.weight, self.precision, self._head_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits through the frozen lm_head (decode/eval; training uses the chunked loss)."""

@@ -49,7 +49,7 @@ from common.channel import CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
-from common.config import Config, default_gamma, default_layer_ids
+from common.config import Config, ConfigError, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import Welcome, new_session_secret
@@ -62,6 +62,7 @@ from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
 from .feed import EpochEndMarker, RingFeed
+from .fp8 import resolve_precision
 from .loss import dflash_loss, implied_acceptance_length
 from .metrics_sink import MetricsSink
 from .model import DFlashConfig, DFlashDraftModel
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
 EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
 EXIT_PLAN_CHANGED = 6     # the target serves another data plan than the checkpoint's: restarting would not help
+EXIT_CONFIG = 2           # a setting this host cannot run (as `dfpipe` says for a bad config)
 
 
 class PlanChanged(Exception):
@@ -172,7 +174,8 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
         reading = pool.submit(read_head)
         # Built on the device: a 27B-wide drafter initialised on the CPU first costs most of a restart.
         with device:
-            model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn)
+            model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn,
+                                     precision=resolve_precision(cfg.drafter.precision, device))
         if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
             behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
                                    cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
@@ -785,6 +788,9 @@ def main(cfg: Config) -> int:
     except PlanChanged as e:
         log.error("trainer refused: %s", e)
         rc = EXIT_PLAN_CHANGED
+    except ConfigError as e:     # a setting this host cannot run (drafter.precision fp8 without FP8 matmuls)
+        log.error("trainer refused: %s", e)
+        rc = EXIT_CONFIG
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)

@@ -114,7 +114,7 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         weights = torch.rand(WARMUP_LOSS_ROWS, device=device, generator=gen)
         with torch.no_grad():      # as in the loss, whose autograd.Function runs its forward so
             for need_grad in (True, False):
-                cross_entropy_fn(device)(logits.clone(), labels, weights, need_grad)
+                cross_entropy_fn(device, fp8_grad=model.precision == "fp8")(logits.clone(), labels, weights, need_grad)
 
 
 # ---- compiling behind the first steps ------------------------------------------------------------
@@ -180,6 +180,7 @@ def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
     with torch.device("meta"):
         shadow = DFlashDraftModel(model.config, split_fc=model.split_fc, attn_impl=attn_impl)
     shadow.segment_rows, shadow.checkpoint_layers = model.segment_rows, model.checkpoint_layers
+    shadow.precision = model.precision
     shadow.train(model.training)
     own = dict(model.named_parameters())
     for name, _ in list(shadow.named_parameters()):

@@ -1,0 +1,210 @@
+"""FP8 matmuls for the drafter's step (`drafter.precision: fp8`): scaled e4m3, one scale per row.
+
+A linear layer y = x W^T is three matmuls, and each multiplies two operands along a shared
+(contraction) dimension. Every operand is quantized to e4m3 with one fp32 scale per slice along
+that dimension ("row-wise": per token, per output feature, per input feature), so an outlier in
+one row costs precision in that row only:
+
+    matmul            a (rows scaled)          b (rows scaled)          contraction
+    forward  y  = x W^T     x   [M, K]              W    [N, K]                K  (features in)
+    grad x   gx = gy W      gy  [M, N]              W^T  [K, N]                N  (features out)
+    grad W   gW = gy^T x    gy^T [N, M]             x^T  [K, M]                M  (tokens)
+
+Hence each of x, gy and W is quantized twice, along each of its two axes. The scale of a row is
+its largest magnitude over 448 (e4m3's largest finite value), so the row fills the format's
+range; an all-zero row gets scale 1 (it quantizes to zeros either way); a NaN or Inf makes its
+row NaN, and the step's finite check skips the step as it does in bf16. Master weights stay fp32
+and are quantized straight from fp32 in every call (no bf16 copy in between); activations are
+quantized from the compute dtype (bf16), which is what autograd saves for the backward, as it does
+for a bf16 linear. Inside a compiled layer inductor fuses each quantization (amax, scale, cast,
+transpose) into the kernels around it; eager steps run it as separate kernels.
+
+Three ways to run a scaled matmul:
+- "fp8": `torch._scaled_mm` on a GPU with FP8 tensor cores (compute capability 8.9 or newer):
+  e4m3 x e4m3 with fp32 accumulation, bf16 out. cuBLAS needs the two non-token dimensions to be
+  multiples of 16; the token dimension is padded with zero rows where it is contracted (grad W).
+- "fp8-emulated": the same quantization (the same e4m3 values and scales), then the product of the
+  dequantized operands in fp32, rounded to the compute dtype. Any device; it checks the effect of
+  FP8 rounding on training (the CPU tests' quality gate), not its speed.
+- anything else: the plain matmul in the compute dtype (the bf16 path).
+
+The frozen target head (`HeadMatmuls`) uses the same operands: its weight is quantized once, both
+ways, when the head is installed, and the loss head's gradient over the logits is quantized row by
+row.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from common.config import ConfigError
+
+PRECISIONS = ("auto", "bf16", "fp8", "fp8-emulated")
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)      # 448
+ALIGN = 16                                   # cuBLAS FP8: both non-contracted dims and K multiples of 16
+
+
+class PrecisionError(ConfigError):
+    """drafter.precision asks for FP8 matmuls where none can run."""
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_supported(device_index: int = 0) -> bool:
+    """Whether `torch._scaled_mm` runs row-wise scaled e4m3 here: a CUDA GPU of compute capability
+    8.9 (Ada) or 9.0+ (Hopper and newer)."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The matmul precision the drafter runs: `precision` as configured, checked against `device`.
+
+    auto: fp8 where FP8 matmuls run (Hopper / Ada), else bf16. fp8 elsewhere is an error (the
+    message says what to set); fp8-emulated runs anywhere. bf16 means "the compute dtype" on a
+    CPU, which is fp32 there unless train.compute_dtype says otherwise.
+    """
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"drafter.precision must be one of {PRECISIONS}, got {precision!r}")
+    native = device.type == "cuda" and fp8_supported(device.index or 0)
+    if precision == "auto":
+        return AUTO_FP8 if native else "bf16"
+    if precision == "fp8" and not native:
+        where = "a CPU" if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
+        raise PrecisionError(f"drafter.precision fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
+                             f"Hopper); this is {where}. Set drafter.precision: bf16 (or auto), or fp8-emulated to "
+                             "check FP8 rounding's effect on training at bf16 speed or slower")
+    return precision
+
+
+# What `auto` picks where FP8 matmuls run. The quality gate (docs/benchmarks.md) decides it.
+AUTO_FP8 = "fp8"
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], fp32 scale [R, 1]) with x ~= q * scale, one scale per row."""
+    amax = x.detach().abs().amax(dim=1, keepdim=True).float()
+    # all-zero rows: any scale gives zeros; 1 keeps 1/scale finite
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> the rows of x^T quantized: (e4m3 [C, R] contiguous, fp32 scale [C, 1])."""
+    return quantize_rows(x.t())
+
+
+def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero columns appended to both operands up to a multiple of ALIGN in the contracted
+    dimension (zeros add nothing to the products)."""
+    k = a.shape[1]
+    pad = -k % ALIGN
+    if not pad:
+        return a, b
+    return (torch.cat([a, a.new_zeros(a.shape[0], pad)], 1).contiguous(),
+            torch.cat([b, b.new_zeros(b.shape[0], pad)], 1).contiguous())
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale)^T: a [M, K], b [N, K] e4m3 row-major, scales [M, 1], [N, 1]."""
+    if emulate:
+        with torch.autocast(a.device.type, enabled=False):
+            return ((a.float() * a_scale) @ (b.float() * b_scale).t()).to(out_dtype)
+    a, b = _pad_inner(a, b)
+    # cuBLAS wants b column-major: b.t() of a row-major [N, K] is exactly that
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.t().contiguous(), out_dtype=out_dtype)
+
+
+def _out_dtype(x: torch.Tensor, emulate: bool) -> torch.dtype:
+    """The compute dtype: autocast's when on, else the input's; _scaled_mm's row-wise path
+    writes bf16 only."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    else:
+        dtype = x.dtype
+    return dtype if emulate else torch.bfloat16
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T with all three matmuls scaled e4m3 (the table in the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
+        out_dtype = _out_dtype(x, emulate)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k).to(out_dtype)          # what a bf16 linear under autocast saves
+        y = scaled_mm(*quantize_rows(x2), *quantize_rows(weight), out_dtype, emulate)
+        ctx.save_for_backward(x2, weight)
+        ctx.emulate, ctx.lead = emulate, lead
+        return y.view(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        emulate = ctx.emulate
+        g = grad_out.reshape(-1, weight.shape[0])
+        out_dtype = x2.dtype
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(*quantize_rows(g), *quantize_cols(weight), out_dtype, emulate)
+            grad_x = grad_x.view(*ctx.lead, weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_w = scaled_mm(*quantize_cols(g), *quantize_cols(x2), out_dtype, emulate).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, precision: str) -> torch.Tensor:
+    """F.linear (no bias) in `precision`: fp8 / fp8-emulated scaled matmuls, else the plain one."""
+    if precision == "fp8" or precision == "fp8-emulated":
+        return _Fp8Linear.apply(x, weight, precision == "fp8-emulated")
+    return F.linear(x, weight)
+
+
+class HeadMatmuls:
+    """The loss head's two matmuls against the frozen target head W [V, H]: the logits h W^T and
+    the input gradient g W (no gradient for W is ever formed).
+
+    In fp8 W is quantized once per head (both ways: per vocabulary row for the logits, per hidden
+    feature for the gradient), 2 bytes per entry in all, the size of the bf16 head; the rows of h
+    and of the gradient over the logits are quantized per call.
+    """
+
+    def __init__(self, weight: torch.Tensor, precision: str) -> None:
+        self.weight = weight
+        self.fp8 = precision in ("fp8", "fp8-emulated")
+        self.emulate = precision == "fp8-emulated"
+        if self.fp8:
+            self.w_rows = quantize_rows(weight)        # [V, H] per vocabulary row
+            self.w_cols = quantize_cols(weight)        # [H, V] per hidden feature
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, V] logits of hidden [R, H], in the head's dtype (bf16 for fp8)."""
+        if not self.fp8:
+            return hidden.to(self.weight.dtype) @ self.weight.t()
+        return scaled_mm(*quantize_rows(hidden), *self.w_rows, self._dtype(), self.emulate)
+
+    def grad_input(self, grad_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[R, H] = grad_logits [R, V] @ W; grad_logits may come quantized already, as (e4m3 rows,
+        their scales) from the loss head's kernel (`ce_kernel`, fp8_grad)."""
+        if not self.fp8:
+            return grad_logits @ self.weight
+        rows = grad_logits if isinstance(grad_logits, tuple) else quantize_rows(grad_logits)
+        return scaled_mm(*rows, *self.w_cols, self._dtype(), self.emulate)
+
+    def _dtype(self) -> torch.dtype:
+        return self.weight.dtype if self.emulate else torch.bfloat16
+
+
+def head_matmuls_of(weight: torch.Tensor, precision: str, cache: dict) -> HeadMatmuls:
+    """The HeadMatmuls of `weight`, made once and kept in `cache` while the same tensor is the head."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, precision)
+    if cache.get("key") != key:
+        cache.clear()
+        cache.update(key=key, head=HeadMatmuls(weight, precision))
+    return cache["head"]
+

@@ -1,0 +1,230 @@
+"""drafter.precision fp8: row-wise scaled e4m3 matmuls (drafter_trainer/fp8.py).
+
+On the CPU the emulated path runs: the same e4m3 values and scales as the GPU path, then fp32
+products. So these tests pin the quantization scheme (which axis each operand is scaled along,
+per the table in fp8.py) against an explicit dequantize-and-multiply reference, bound the FP8
+error from e4m3's own precision, and check the drafter and its loss head run in it. The CUDA test
+compares torch._scaled_mm with the emulation (skipped without CUDA).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.config import ConfigError
+from drafter_trainer import fp8
+from drafter_trainer.blocks import build_blocks, sample_anchors
+from drafter_trainer.loss import dflash_loss
+from drafter_trainer.model import DFlashDraftModel
+from test_drafter_model import MASK, make_batch, make_model
+from tolerances import C, assert_close, eps
+
+E4M3_U = eps(fp8.E4M3) / 2          # unit roundoff of e4m3: 3 mantissa bits, 2^-4
+E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10   # half the spacing of e4m3's subnormals (2^-9), in units of the scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+def test_rows_are_scaled_to_fill_e4m3_and_dequantize_within_its_rounding() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(33, 70) * torch.logspace(-3, 3, 33)[:, None]     # rows of very different size
+    x[5] = 0.0                                                          # an all-zero row
+    q, scale = fp8.quantize_rows(x)
+    assert q.dtype == fp8.E4M3 and scale.shape == (33, 1)
+    assert torch.equal(q[5].float(), torch.zeros(70)) and float(scale[5]) == 1.0
+    live = torch.ones(33, dtype=torch.bool)
+    live[5] = False
+    # every live row reaches e4m3's largest value: the scale is its amax / 448
+    assert torch.equal(q[live].float().abs().amax(1), torch.full((32,), fp8.E4M3_MAX))
+    err = (dequantized(q, scale) - x).abs()
+    bound = E4M3_U * x.abs() + E4M3_SUBNORMAL_HALF_STEP * scale
+    assert bool((err <= bound * (1 + eps(torch.float32))).all())
+
+
+def test_a_nan_survives_quantization_and_spoils_no_other_row() -> None:
+    """A non-finite activation must reach the step's finite check (which skips the step), not be
+    rounded into a finite e4m3 value; the other rows keep their scales."""
+    x = torch.randn(4, 32)
+    x[2, 7] = float("nan")
+    q, scale = fp8.quantize_rows(x)
+    deq = dequantized(q, scale)
+    assert bool(torch.isnan(deq[2]).any()) and bool(torch.isfinite(deq[[0, 1, 3]]).all())
+    y = fp8.linear(x, torch.randn(8, 32), "fp8-emulated")
+    assert bool(torch.isnan(y[2]).all()) and bool(torch.isfinite(y[[0, 1, 3]]).all())
+
+
+def _reference_linear(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The three matmuls of a linear layer with each operand quantized along its contraction dim."""
+    y = dequantized(*fp8.quantize_rows(x)) @ dequantized(*fp8.quantize_rows(w)).t()
+    gx = dequantized(*fp8.quantize_rows(gy)) @ dequantized(*fp8.quantize_rows(w.t())).t()
+    gw = dequantized(*fp8.quantize_rows(gy.t())) @ dequantized(*fp8.quantize_rows(x.t())).t()
+    return y, gx, gw
+
+
+def test_emulated_linear_scales_each_operand_along_its_contraction_dimension() -> None:
+    torch.manual_seed(1)
+    m, k, n = 48, 80, 40
+    x = torch.randn(m, k, dtype=torch.float32) * torch.logspace(-1, 1, k)     # features of different size
+    w = torch.randn(n, k) * 0.05
+    gy = torch.randn(m, n) * torch.logspace(-2, 0, m)[:, None]
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.linear(xr, wr, "fp8-emulated")
+    y.backward(gy)
+    ref_y, ref_gx, ref_gw = _reference_linear(x, w, gy)
+    # the same e4m3 values and scales; only fp32's summation order differs
+    assert_close(y, ref_y, n=k)
+    assert_close(xr.grad, ref_gx, n=n)
+    assert_close(wr.grad, ref_gw, n=m)
+
+
+def test_fp8_error_of_a_linear_layer_is_bounded_by_e4m3_rounding() -> None:
+    torch.manual_seed(2)
+    m, k, n = 64, 128, 96
+    x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
+    y = fp8.linear(x, w, "fp8-emulated")
+    exact = x.double() @ w.double().t()
+    # each quantized operand is within u (relative) plus half a subnormal step (absolute, in its
+    # row's scale) of the true value; a product of two such is within the sum of both, and the
+    # errors of the k terms add at most linearly
+    qx, sx = fp8.quantize_rows(x)
+    qw, sw = fp8.quantize_rows(w)
+    ax = E4M3_U * x.abs() + E4M3_SUBNORMAL_HALF_STEP * sx
+    aw = E4M3_U * w.abs() + E4M3_SUBNORMAL_HALF_STEP * sw
+    bound = (ax.double() @ w.abs().double().t() + x.abs().double() @ aw.double().t()
+             + ax.double() @ aw.double().t())
+    fp32_slack = k * eps(torch.float32) * (x.abs().double() @ w.abs().double().t())
+    assert bool(((y.double() - exact).abs() <= bound + fp32_slack).all())
+    # and it is FP8, not a no-op: the error is of e4m3's size, far above fp32's
+    rel = float((y.double() - exact).norm() / exact.norm())
+    assert E4M3_U / 16 < rel < 2 * E4M3_U, rel
+
+
+def test_precision_fp8_on_a_cpu_is_refused_naming_the_setting() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"drafter\.precision fp8 needs FP8 tensor cores.*bf16"):
+        fp8.resolve_precision("fp8", cpu)
+    assert fp8.resolve_precision("auto", cpu) == "bf16"
+    assert fp8.resolve_precision("fp8-emulated", cpu) == "fp8-emulated"
+    with pytest.raises(ConfigError, match="one of"):
+        fp8.resolve_precision("fp4", cpu)
+
+
+def _tiny_drafter(precision: str) -> DFlashDraftModel:
+    model = make_model(std=0.05, precision=precision)
+    return model
+
+
+def test_the_loss_head_runs_its_two_matmuls_in_fp8() -> None:
+    model = _tiny_drafter("fp8-emulated")
+    head = model.head_matmuls()
+    assert head is model.head_matmuls()          # the head is quantized once
+    torch.manual_seed(4)
+    h, g = torch.randn(10, model.config.hidden_size), torch.randn(10, model.config.vocab_size)
+    w = model.lm_head.weight
+    assert_close(head.logits(h), dequantized(*fp8.quantize_rows(h)) @ dequantized(*fp8.quantize_rows(w)).t(), n=model.config.hidden_size)
+    assert_close(head.grad_input(g), dequantized(*fp8.quantize_rows(g)) @ dequantized(*fp8.quantize_rows(w.t())).t(),
+                 n=model.config.vocab_size)
+    model.set_target_head(torch.randn_like(w))
+    assert model.head_matmuls() is not head      # a new head is quantized anew
+
+
+def test_every_linear_of_the_drafter_follows_its_precision_and_checkpoints_do_not_change() -> None:
+    bf16, fp8_model = _tiny_drafter("bf16"), _tiny_drafter("fp8-emulated")
+    assert fp8_model.precision == "fp8-emulated" and bf16.precision == "bf16"
+    linears = [m for m in fp8_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 1 + 2 * 7 and all(m.precision == "fp8-emulated" for m in linears)
+    assert bf16.trainable_state_dict().keys() == fp8_model.trainable_state_dict().keys()
+    with pytest.raises(ValueError, match="resolved"):
+        fp8_model.precision = "auto"
+
+
+def fp8_cosine_floor(matmuls_on_path: int) -> float:
+    """The least cosine between a gradient computed with FP8 matmuls and the exact one.
+
+    Quantizing both operands of a matmul to e4m3 (round to nearest: a uniform relative error of
+    at most u, standard deviation u/sqrt(3) each) leaves a relative error of about
+    sqrt(2/3)*u in its output, independent of the contraction length; errors of the L matmuls on a
+    gradient's path add in quadrature: r^2 = L*(2/3)*u^2, and C (tolerances.py) standard
+    deviations of spread. An error orthogonal to the gradient lowers the cosine to ~1 - r^2/2."""
+    r2 = (2.0 * C) ** 2 * matmuls_on_path * (2.0 / 3.0) * E4M3_U ** 2 / 4
+    return 1.0 - r2 / 2
+
+
+def test_a_drafter_step_in_fp8_follows_the_full_precision_gradient() -> None:
+    """The whole step (fc, every layer's projections and MLP, the loss head) in emulated FP8 against
+    fp32 on one batch: the gradient of every weight points the same way (cosine). The GPU gate asks
+    >= 0.99 of the bf16 step at the 27B widths (bench/gpu, p5d), where each weight's gradient
+    averages over thousands of tokens; this tiny one averages over few, so its floor is the
+    worst-case path bound."""
+    batch = make_batch([40, 9, 56, 120])
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, 64, torch.Generator().manual_seed(5))
+    blocks = build_blocks(batch, anchors, 4, MASK, 3.0)
+    grads = {}
+    for precision in ("bf16", "fp8-emulated"):
+        model = _tiny_drafter(precision)
+        out = dflash_loss(model, batch, blocks, chunk=16, blocks_per_chunk=3, backward=True)
+        assert math.isfinite(float(out.loss))
+        grads[precision] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    layers = model.config.num_hidden_layers
+    # per layer 4 matmuls in sequence forward (qkv, o, gate/up, down) and 4 backward; fc, the
+    # head's two, and the weight-gradient matmul itself
+    floor = fp8_cosine_floor(8 * layers + 4)
+    worst = 1.0
+    for name, g in grads["bf16"].items():
+        g8 = grads["fp8-emulated"][name]
+        assert not torch.equal(g, g8), name                     # FP8 really ran on this weight's path
+        cos = float(torch.nn.functional.cosine_similarity(g.flatten(), g8.flatten(), dim=0))
+        assert cos >= floor, (name, cos, floor)
+        worst = min(worst, cos)
+    print(f"least gradient cosine {worst:.4f} (floor {floor:.4f})")
+
+
+@pytest.mark.skipif(not fp8.fp8_supported(), reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+def test_scaled_mm_on_the_gpu_equals_the_emulation() -> None:
+    torch.manual_seed(6)
+    dev = torch.device("cuda")
+    m, k, n = 200, 512, 384                       # m not a multiple of 16: grad W pads the tokens
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=dev) * 0.05).requires_grad_()
+    gy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    outs = {}
+    for precision in ("fp8", "fp8-emulated"):
+        xr, wr = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fp8.linear(xr, wr, precision)
+        y.backward(gy)
+        outs[precision] = (y.float(), xr.grad.float(), wr.grad.float())
+    for got, want, n_terms in zip(outs["fp8"], outs["fp8-emulated"], (k, n, m)):
+        # the same e4m3 operands; fp32 sums in another order, then bf16 rounding of the output
+        assert_close(got, want, n=n_terms, rounded_to=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loss_head_kernel_writes_the_gradient_as_scaled_e4m3_rows() -> None:
+    """fp8 head on CUDA: the kernel writes dCE/dlogits as e4m3 with one scale per row (known after
+    its first pass: the label's or the largest other logit's term), what quantize_rows would make
+    of the gradient: each value within e4m3's rounding of it."""
+    from drafter_trainer.loss import cross_entropy_fn
+    from test_drafter_compile import chunk_case, per_chunk_reference
+
+    kernel = cross_entropy_fn(torch.device("cuda"), fp8_grad=True)
+    for rows, vocab in ((37, 300), (64, 248_320)):
+        logits, labels, weights = (t.cuda() for t in chunk_case(rows, vocab=vocab, dtype=torch.bfloat16, seed=rows))
+        weights[2] = 0.0                                           # a row without loss: zeros, scale 1
+        _, _, want = per_chunk_reference(logits, labels, weights, True)
+        ce, correct, (q, scale) = kernel(logits.clone(), labels, weights, True)
+        assert q.dtype == fp8.E4M3 and scale.shape == (rows, 1)
+        assert torch.equal(q[2].float(), torch.zeros(vocab, device="cuda")) and float(scale[2]) == 1.0
+        want = want.float()
+        row_max = want.abs().amax(1, keepdim=True)
+        # e4m3 rounding of each value, half a subnormal step of its row, and the kernel's fp32
+        # gradient against the reference's (a few ulps of the row's largest value)
+        bound = E4M3_U * want.abs() + E4M3_SUBNORMAL_HALF_STEP * scale + 4 * eps(torch.float32) * row_max
+        assert bool(((q.float() * scale - want).abs() <= bound).all())
+        live = weights > 0
+        assert bool((q[live].float().abs().amax(1) > fp8.E4M3_MAX / 2).all())   # rows fill the format
