@@ -447,6 +447,7 @@ class DrafterRecipe:
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
     warmup_ratio: float = 0.05
+    precision: str = "auto"             # drafter.precision: fp8-emulated checks FP8 rounding on a CPU
 
 
 SERVICES_CONFIG = """\
@@ -468,6 +469,7 @@ drafter:
   num_layers: {layers}
   block_size: {block}
   max_anchors: {anchors}
+  precision: {precision}
 train:
   out_dir: {run}/train
   epochs: {epochs}
@@ -507,7 +509,7 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             seed=seed, target=os.path.abspath(target_dir), run=os.path.abspath(run_dir), layers=recipe.num_layers,
             block=recipe.block_size, anchors=recipe.max_anchors, epochs=epochs, lr=recipe.lr,
             warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
-            every=checkpoint_every or 1_000_000, sockets=sockets))
+            every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision))
     try:
         rc = run_demo(config)
     finally:

@@ -89,7 +89,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax(dim=1, keepdim=True).float()
     # all-zero rows: any scale gives zeros; 1 keeps 1/scale finite
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    # row-major whatever x's layout (a transposed view's would be column-major): what cuBLAS reads
+    q = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
     return q, scale
 
 

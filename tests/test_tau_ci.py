@@ -3,7 +3,9 @@ than an untrained one, and speculative decoding stays lossless: the CI-sized ver
 bench/toy_tau.py, through the path users run (target server -> ring -> trainer -> export)."""
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,6 +33,12 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
     trained = str(run / "train" / "export")
     assert os.path.isfile(os.path.join(trained, "model.safetensors"))
     export_drafter(tt.untrained_drafter(target_dir, recipe), str(tmp_path / "untrained"))
+    # the FP8 quality gate (drafter.precision fp8, emulated on the CPU): the same seed, data and
+    # batches through both services
+    run8 = tmp_path / "run-fp8"
+    tt.train_drafter_through_services(target_dir, str(data), str(run8), replace(recipe, precision="fp8-emulated"),
+                                      epochs=24)
+    trained8 = str(run8 / "train" / "export")
 
     prompts_file = tmp_path / "heldout.jsonl"
     toy_corpus.write_jsonl(tt.heldout_samples(7, 6), str(prompts_file))
@@ -40,11 +48,26 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
     stop = ev.stop_token_ids(tokenizer)
     taus = {}
     refs: dict = {}
-    for name, path in (("untrained", str(tmp_path / "untrained")), ("trained", trained)):
+    for name, path in (("untrained", str(tmp_path / "untrained")), ("trained", trained), ("fp8", trained8)):
         target, drafter = ev.load_models(target_dir, path, cpu)
         report = ev.evaluate(target, drafter, prompts, 48, stop, references=refs)
         assert report.lossless, report.mismatches
         taus[name] = report.tau
-    print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f}")
+    losses = {name: last_epoch_loss(str(r / "train" / "metrics.jsonl")) for name, r in (("trained", run), ("fp8", run8))}
+    print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f} fp8 {taus['fp8']:.3f}; "
+          f"last-epoch loss {losses['trained']:.4f} fp8 {losses['fp8']:.4f}")
     assert taus["untrained"] < 1.3, taus
     assert taus["trained"] >= taus["untrained"] + 1.0, taus   # measured: 1.00 -> 4.20
+    # the gate of issue 32: fp8's final loss within 1% of full precision's, its tau no worse by 0.1
+    assert abs(losses["fp8"] - losses["trained"]) <= 0.01 * losses["trained"], losses
+    assert taus["fp8"] >= taus["trained"] - 0.1, taus
+
+
+def last_epoch_loss(metrics_path: str) -> float:
+    """The mean training loss over the steps of the run's last epoch (one batch is noise)."""
+    with open(metrics_path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if r.get("loss") is not None and "epoch" in r]
+    last = max(r["epoch"] for r in steps)
+    losses = [r["loss"] for r in steps if r["epoch"] == last]
+    return sum(losses) / len(losses)

@@ -19,8 +19,9 @@ from bench.gpu import fixtures
 class DrafterRig:
     def __init__(self, manifest: dict[str, Any], device: torch.device, layers: int, block: int, anchors: int,
                  loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto",
-                 blocks_per_chunk: int = 0) -> None:
+                 blocks_per_chunk: int = 0, precision: str = "auto") -> None:
         from common.config import DrafterConfig, default_gamma
+        from drafter_trainer.fp8 import resolve_precision
         from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 
         self.manifest, self.device, self.block, self.anchors = manifest, device, block, anchors
@@ -35,7 +36,7 @@ class DrafterRig:
             list(self.shape.capture_ids), self.shape.mask_token_id)
         torch.manual_seed(seed)
         with torch.device(device):  # initialised where it trains: a CPU init of ~2B parameters takes long
-            self.model = DFlashDraftModel(self.config, attn_impl=attn)
+            self.model = DFlashDraftModel(self.config, attn_impl=attn, precision=resolve_precision(precision, device))
         self.model.compile_for(device, compile_mode)      # as drafter_trainer.train.build_drafter does
         head_dtype = torch.bfloat16 if self.cuda else torch.float32
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -103,6 +104,21 @@ class DrafterRig:
 
         train_step(self.model, self.optimizer, self.with_planes(batch), blocks, self.lr, self.settings,
                    ranks or self.one_rank)
+
+    def gradients(self, batch: Any, blocks: Any) -> dict[str, torch.Tensor]:
+        """Every trainable weight's gradient of one batch's loss (the step's forward and backward,
+        no optimizer update), in fp32, by name. `batch` with its planes (`with_planes`), so that
+        two calls see the same ones."""
+        from drafter_trainer.loss import dflash_loss
+
+        self.optimizer.zero_grad(set_to_none=True)
+        weight = blocks.weights.sum().detach().float()
+        with self.settings.autocast(self.device):
+            dflash_loss(self.model, batch, blocks, self.settings.loss_chunk, weight_norm=weight,
+                        blocks_per_chunk=self.settings.blocks_per_chunk, backward=True)
+        grads = {n: p.grad.detach().float().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
 
     def timed(self, work: list[tuple[Any, Any]], warmup: int, steps: int, ranks: Any = None) -> list[float]:
         """Seconds of each of `steps` steps after `warmup` untimed ones (peak memory reset between)."""

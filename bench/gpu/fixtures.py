@@ -278,3 +278,30 @@ def kernel_kind(name: str) -> str:
     if "triton" in n:
         return "triton (compiled)"
     return "elementwise/other"
+
+
+def layer_and_rest_bytes(target_dir: str) -> tuple[int, int, int]:
+    """(bytes of the decoder layers' tensors, bytes of the rest, number of layers) of a saved
+    target, from its safetensors headers: what loading it reads, and how that grows with depth."""
+    import re
+    import struct
+
+    layer_bytes = rest = 0
+    layers: set[int] = set()
+    for name in os.listdir(target_dir):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(target_dir, name), "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            found = re.search(r"\.layers\.(\d+)\.", key)
+            if found:
+                layers.add(int(found.group(1)))
+                layer_bytes += end - start
+            else:
+                rest += end - start
+    return layer_bytes, rest, len(layers)
+

@@ -58,19 +58,21 @@ FULL: dict[str, Any] = dict(
     # data
     token_budget=16384, max_len=3072, median=512.0, sigma=1.0, dataset_docs=4000,
     # parts
-    copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=16, p2_warmup=3, p2_repeats=3, p3_docs=96,
-    p5_tokens=3072, p5_docs=2, p5_anchors=256, anchors=512, p5d_batches=4, p5d_chunks="0,512,2048", p5d_steps=6,
+    copy_batches=100, copy_budget=3072, p1_iters=40, p1_slots="3,6", p2_batches=8, p2_warmup=3, p2_repeats=2, p3_docs=0,
+    p5_tokens=3072, p5_docs=2, p5_anchors=256, anchors=512, p5d_batches=4, p5d_chunks="0", p5d_steps=4,
     p7_gpus=8, block=16, drafter_layers=5, loss_chunk=1024, p5_steps=6,
-    p5_warmup=2, p5_attn="sdpa,split,flex", p5_compile="on,off", p5_profile=15, p6_seconds=20.0, p6_skip_steps=3,
+    p5_warmup=2, p5_attn="sdpa,split,flex", p5_compile="on,off", p5_profile=15, p6_seconds=60.0, p6_skip_steps=3,
     ring_slots=4, matmul_n=8192, step_timeout=420.0,
     # issue 8: GPUs to scale over (0: all), batches per worker, full-depth layers of the real target
     # (Qwen3.5-27B capture at 1,16,31,46,61 runs 62 layers), placements "target/trainer" GPU ids
     scale_gpus=0, scale_batches=8, real_layers_computed=62, placements="", drafter_attn="",
-    firstpass_batches=4,   # p23: fresh batches per attention variant, each timed on its first and second pass (0: none)
-    p2_diagnostics=1,      # p23: after P2, the worker without audit / polling consumer / blocking inputs (0: none)
+    firstpass_batches=0,   # p23: fresh batches per attention variant, each timed on its first and second pass (0: none)
+    p2_diagnostics=0,      # p23: after P2, the worker without audit / polling consumer / blocking inputs (0: none)
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
     p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
+    p5d_baseline_precision="bf16",   # p5d (P5f): the headline (drafter.precision auto) against this precision
+    p5d_precision="auto",   # p5d: the headline's drafter.precision
 )
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
@@ -79,6 +81,7 @@ QUICK: dict[str, Any] = dict(
     p5_tokens=256, p5_anchors=16, anchors=32, p5d_batches=2, p5d_chunks="0,8", p5d_steps=2, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
+    p5d_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
               "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
@@ -449,7 +452,7 @@ def part_p5d(ctx: Ctx) -> str:
         from drafter_trainer import model as drafter_model
         drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
-                     attn=a.drafter_attn or "auto", compile_mode="auto")
+                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
     from drafter_trainer.model import resolve_attention
     rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
     work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
@@ -512,7 +515,13 @@ def part_p5d(ctx: Ctx) -> str:
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
     if a.p5d_baseline_attn:
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
+    numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
+    if a.p5d_baseline_precision and a.p5d_baseline_precision != rig.model.precision:
+        p5f = p5d_precision_baseline(rig, work, best, a, peak, chosen)
+        ctx.store.benchmark("P5f", {"fp8_over_bf16_tok_s": p5f["headline_speedup"],
+                                    "peak_mem_gb": chosen.get("peak_mem_gb"),
+                                    "grad_cosine_min": p5f["grad_cosine"]["min"]}, p5f)
     ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
                       drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
                       drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best)
@@ -545,6 +554,65 @@ def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
     out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
     print("baseline", json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
+    return out
+
+
+def part_fp8lib(ctx: Ctx) -> str:
+    """The FP8 implementation, chosen by measurement (fp8_lib.py): one drafter MLP at the target's
+    widths over a chunk's block tokens, forward + backward compiled, bf16 against dfpipe's fp8
+    against torchao's Float8Linear (rowwise), where torchao works with this torch."""
+    from bench.gpu.fp8_lib import compare
+    from drafter_trainer.fp8 import fp8_supported
+    from drafter_trainer.loss import AUTO_CHUNK_ROWS
+
+    if not ctx.cuda or not fp8_supported(ctx.device.index or 0):
+        raise SkipPart("needs a GPU with FP8 tensor cores")
+    shape = target_shape(ctx.args)
+    numbers = compare(shape.hidden, shape.intermediate, AUTO_CHUNK_ROWS)
+    ctx.store.figures("fp8lib", **numbers)
+    print(json.dumps(numbers, indent=1), flush=True)
+    return "measured"
+
+
+def p5d_precision_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                           headline: dict[str, Any]) -> dict[str, Any]:
+    """The headline's batches and chunk size stepped in --p5d-baseline-precision (bf16) instead of
+    the headline's (fp8), in the same process: the speed-up, and the gradient of one batch in
+    both precisions from the same weights and planes, compared weight by weight (cosine)."""
+    from dataclasses import replace
+
+    from bench.trainer_bench import step_flops
+
+    headline_precision = rig.model.precision
+    base = a.p5d_baseline_precision
+    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
+    try:
+        rig.model.precision = base
+        times = rig.timed(work, len(work), a.p5d_steps)
+        steps = [work[i % len(work)] for i in range(len(times))]
+        model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
+        out: dict[str, Any] = {"headline_precision": headline_precision, "precision": base,
+                               "step_s": float(np.median(times)), "step_s_all": times,
+                               "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times),
+                               "mfu": model_flops / sum(times) / 1e12 / peak}
+        if rig.cuda:
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
+        out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
+        print("precision baseline", json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
+        batch, blocks = work[0]
+        planed = rig.with_planes(batch)
+        want = rig.gradients(planed, blocks)
+        rig.model.precision = headline_precision
+        got = rig.gradients(planed, blocks)
+    finally:
+        rig.model.precision = headline_precision
+    cos = {n: float(torch.nn.functional.cosine_similarity(want[n].flatten(), got[n].flatten(), dim=0)) for n in want}
+    rel = {n: float((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)) for n in want}
+    worst = sorted(cos, key=cos.get)[:5]
+    out["grad_cosine"] = {"min": min(cos.values()), "mean": float(np.mean(list(cos.values()))),
+                          "worst": {n: cos[n] for n in worst}, "rel_err_of_worst": {n: rel[n] for n in worst},
+                          "tokens": batch.num_tokens, "anchors": blocks.num_blocks}
+    print("gradient cosine", json.dumps(out["grad_cosine"]), flush=True)
     return out
 
 
@@ -791,12 +859,20 @@ def part_services(ctx: Ctx) -> str:
     finally:  # also on a timeout's SIGTERM: what was measured stays
         ctx.store.figures("services", **figures)
     warm = figures.get("warm") or {}   # the warm start-up: first step, compiled from, compiled step time
-    if "over_cold_first_step" in warm:
+    if "over_cold_first_step" in warm and figures.get("target_load_s"):
         numbers = {k: figures.get(k) for k in ("cold_first_step_s", "target_load_s", "target_warmup_s",
                                                "cold_triton_cache", "device", "cold_compiled_median_step_s")}
         numbers.update({f"warm_{k}": warm.get(k) for k in ("first_step_s", "compiled_after_s",
                                                            "compiled_median_step_s", "eager_steps")})
-        ctx.store.benchmark("P4", {"warm_over_cold_first_step": warm["over_cold_first_step"]}, numbers)
+        # The real target's cold start: the proxy's, with the load grown to the full depth's bytes
+        # (read from the fixture's safetensors headers). The warm-up's autotune runs once per
+        # kernel shape, which every layer shares, so it stays as measured.
+        layer_bytes, rest, layers = fixtures.layer_and_rest_bytes(manifest["target_dir"])
+        full_bytes = rest + layer_bytes / layers * a.real_layers_computed
+        cold_full = figures["cold_first_step_s"] + figures["target_load_s"] * (full_bytes / (rest + layer_bytes) - 1)
+        numbers.update(full_depth_cold_first_step_s=cold_full, proxy_weight_gb=(rest + layer_bytes) / 1e9,
+                       full_depth_weight_gb=full_bytes / 1e9, warm_over_proxy_cold=warm["over_cold_first_step"])
+        ctx.store.benchmark("P4", {"warm_over_cold_first_step": warm["first_step_s"] / cold_full}, numbers)
     else:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
     parts = ctx.store.read()["parts"]
@@ -1154,7 +1230,7 @@ def _read_json(path: str) -> dict[str, Any]:
 PARTS: dict[str, Callable[[Ctx], str]] = {
     "env": part_env, "tests": part_tests, "copycheck": part_copycheck, "p1": part_p1, "p5": part_p5,
     "p5d": part_p5d, "p23": part_p23, "services": part_services, "p7": part_p7, "scale": part_scale,
-    "placements": part_placements,
+    "placements": part_placements, "fp8lib": part_fp8lib,
 }
 NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env", "p7"}
 

@@ -2,14 +2,19 @@
 # dfpipe's GPU benchmark suite: every part in its own python process with its own timeout, all
 # figures in $OUT/results.json, one log per part. Run from anywhere inside the repository:
 #
-#     bash bench/gpu/run_all.sh                 # full sizes, about 8 minutes on one H200
+#     bash bench/gpu/run_all.sh                 # the headline figures, under 10 minutes on one H200
 #     bash bench/gpu/run_all.sh --quick         # tiny sizes: the CPU smoke run
 #     bash bench/gpu/run_all.sh --token-budget 8192 --p6-seconds 15   # any gpu_bench.py flag, to every part
 #
-# Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run, default 540),
-# PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service runs; default
-# /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part (env tests copycheck p1 p5 p5d
-# p23 services scale placements; BENCH_PARTS picks a subset). The table of results is printed last.
+# With no flags it measures every headline figure in one run on one fresh GPU: P5d and P5f (the
+# drafter step in the default precision, fp8 on an H200, against bf16 on the same batches, and
+# their gradients' cosine), P2, P4 (warm restart against a cold start with an empty Triton cache)
+# and P6d (a 60 s window, its baselines from this run's p5d and p23), and P7 from those rates.
+# Other parts (tests copycheck p1 p5 scale placements fp8lib long fp8target ckpt) run when BENCH_PARTS
+# names them. Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
+# default 570), PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service
+# runs; default /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part. The
+# table of results is printed last: anything not measured says so.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ARGS=("$@")
@@ -21,7 +26,7 @@ export DFPIPE_BENCH_WORKDIR=${DFPIPE_BENCH_WORKDIR:-/tmp/dfpipe-gpu-bench}
 export DFPIPE_BENCH_RUN_ID=${DFPIPE_BENCH_RUN_ID:-$$}
 mkdir -p "$DFPIPE_BENCH_WORKDIR"
 PY=${PYTHON:-python3}
-BUDGET_S=${BENCH_BUDGET_S:-540}
+BUDGET_S=${BENCH_BUDGET_S:-570}
 START=$(date +%s)
 rm -f "$OUT/results.json" "$OUT"/*.log
 
@@ -66,11 +71,12 @@ cleanup_children
 
 # ---- parts ----------------------------------------------------------------------------------------
 # name, upper limit (s), least time it needs (s): a slow part may not eat the later parts' minimum.
-read -ra PARTS <<< "${BENCH_PARTS:-env tests copycheck p1 p5 p5d p23 services p7 scale placements}"  # BENCH_PARTS: a subset, in order
-declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-180}
-                  [services]=300 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300})
-declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=60 [p7]=5 [p23]=50 [services]=150 [scale]=60
-                 [placements]=100)
+read -ra PARTS <<< "${BENCH_PARTS:-env p5d p23 services p7}"  # BENCH_PARTS: the parts to run, in order
+declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-150}
+                  [services]=330 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300} [fp8lib]=120
+                  [long]=150 [fp8target]=120 [ckpt]=120)
+declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=120 [p7]=5 [p23]=60 [services]=200 [scale]=60
+                 [placements]=100 [fp8lib]=40 [long]=60 [fp8target]=40 [ckpt]=30)
 
 run_part() {
   local name=$1 i later=0 left t rc t0
