@@ -43,7 +43,7 @@ from common.config import ConfigError
 
 PRECISIONS = ("auto", "bf16", "fp8", "fp8-emulated")
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)      # 448
+E4M3_MAX = float(torch.finfo(E4M3).max)      # 448 (for callers: quantize_rows reads finfo itself)
 ALIGN = 16                                   # cuBLAS FP8: both non-contracted dims and K multiples of 16
 
 
@@ -86,11 +86,14 @@ AUTO_FP8 = "fp8"
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (e4m3 [R, C], fp32 scale [R, 1]) with x ~= q * scale, one scale per row."""
-    amax = x.detach().abs().amax(dim=1, keepdim=True).float()
+    # torch.finfo here, not the module's float: dynamo traces a global float as a graph input
+    # (floats are not specialised), and a second such function call in one compiled layer then fails
+    top = torch.finfo(E4M3).max
+    amax = x.abs().amax(dim=1, keepdim=True).float()
     # all-zero rows: any scale gives zeros; 1 keeps 1/scale finite
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     # row-major whatever x's layout (a transposed view's would be column-major): what cuBLAS reads
-    q = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+    q = (x.float() / scale).clamp_(-top, top).to(E4M3).contiguous()
     return q, scale
 
 
@@ -132,37 +135,36 @@ def _out_dtype(x: torch.Tensor, emulate: bool) -> torch.dtype:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T with all three matmuls scaled e4m3 (the table in the module docstring)."""
+    """y = x W^T with all three matmuls scaled e4m3 (the table in the module docstring), x [M, K].
+
+    No shape arithmetic in here (`linear` flattens and restores the leading dims): a symbolic size
+    inside the function breaks dynamo's tracing of a second call in a layer compiled with dynamic
+    shapes (torch 2.13: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
-        out_dtype = _out_dtype(x, emulate)
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k).to(out_dtype)          # what a bf16 linear under autocast saves
-        y = scaled_mm(*quantize_rows(x2), *quantize_rows(weight), out_dtype, emulate)
-        ctx.save_for_backward(x2, weight)
-        ctx.emulate, ctx.lead = emulate, lead
-        return y.view(*lead, weight.shape[0])
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, emulate: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        x = x.to(out_dtype)                      # what a bf16 linear under autocast saves
+        ctx.save_for_backward(x, weight)
+        ctx.emulate = emulate
+        return scaled_mm(*quantize_rows(x), *quantize_rows(weight), out_dtype, emulate)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x2, weight = ctx.saved_tensors
-        emulate = ctx.emulate
-        g = grad_out.reshape(-1, weight.shape[0])
-        out_dtype = x2.dtype
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(*quantize_rows(g), *quantize_cols(weight), out_dtype, emulate)
-            grad_x = grad_x.view(*ctx.lead, weight.shape[1])
+            grad_x = scaled_mm(*quantize_rows(g), *quantize_cols(weight), x.dtype, ctx.emulate)
         if ctx.needs_input_grad[1]:
-            grad_w = scaled_mm(*quantize_cols(g), *quantize_cols(x2), out_dtype, emulate).to(weight.dtype)
-        return grad_x, grad_w, None
+            grad_w = scaled_mm(*quantize_cols(g), *quantize_cols(x), x.dtype, ctx.emulate).to(weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, precision: str) -> torch.Tensor:
     """F.linear (no bias) in `precision`: fp8 / fp8-emulated scaled matmuls, else the plain one."""
     if precision == "fp8" or precision == "fp8-emulated":
-        return _Fp8Linear.apply(x, weight, precision == "fp8-emulated")
+        emulate = precision == "fp8-emulated"
+        y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, emulate, _out_dtype(x, emulate))
+        return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
