@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import ConfigError
+from drafter_trainer import fp8_cols
 
 PRECISIONS = ("auto", "bf16", "fp8", "fp8-emulated")
 E4M3 = torch.float8_e4m3fn
@@ -98,7 +99,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> the rows of x^T quantized: (e4m3 [C, R] contiguous, fp32 scale [C, 1])."""
+    """x [R, C] -> the rows of x^T quantized: (e4m3 [C, R] contiguous, fp32 scale [C, 1]).
+
+    On CUDA a tiled Triton kernel (`fp8_cols`): fused by inductor, the reduction across rows and
+    the transposed write made one slow kernel. Elsewhere `quantize_rows` of the transpose."""
+    if x.is_cuda and fp8_cols.available():
+        return torch.ops.dfpipe.fp8_quantize_cols(x)
     return quantize_rows(x.t())
 
 

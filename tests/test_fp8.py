@@ -257,3 +257,29 @@ def test_a_compiled_fp8_drafter_traces_every_linear_and_follows_the_eager_one() 
         for name, g in grads[0].items():
             cos = float(torch.nn.functional.cosine_similarity(g.flatten(), grads[1][name].flatten(), dim=0))
             assert cos >= fp8_cosine_floor(8 * layers + 4), (name, cos)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_column_quantization_kernel_equals_quantizing_the_transpose() -> None:
+    """fp8_cols: the Triton kernel behind quantize_cols on CUDA against quantize_rows of the
+    transpose: the same scales, each value within e4m3's rounding, the layout cuBLAS reads, and a
+    NaN that reaches the matmul (its column's scale is NaN)."""
+    from drafter_trainer import fp8_cols
+
+    assert fp8_cols.available()
+    torch.manual_seed(7)
+    for r, c, dtype in ((12_288, 640, torch.bfloat16), (1000, 130, torch.bfloat16), (77, 5120, torch.float32)):
+        x = (torch.randn(r, c, device="cuda") * torch.logspace(-2, 2, c, device="cuda")).to(dtype)
+        x[:, 3] = 0
+        q, scale = fp8.quantize_cols(x)
+        want_q, want_scale = fp8.quantize_rows(x.t())
+        assert q.shape == (c, r) and q.is_contiguous() and q.dtype == fp8.E4M3
+        torch.testing.assert_close(scale, want_scale, rtol=eps(torch.float32), atol=0)
+        deq, ref = dequantized(q, scale), x.t().float()
+        bound = E4M3_U * ref.abs() + E4M3_SUBNORMAL_HALF_STEP * scale
+        assert bool(((deq - ref).abs() <= bound * (1 + eps(torch.float32))).all())
+    x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    x[5, 7] = float("nan")
+    q, scale = fp8.quantize_cols(x)
+    assert bool(torch.isnan(scale[7])) and bool(torch.isfinite(scale[[0, 1, 8]]).all())
