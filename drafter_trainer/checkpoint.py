@@ -64,7 +64,7 @@ MANIFEST = "manifest.json"
 STATE, SAMPLES, META = "state.pt", "samples.npz", "meta.json"
 PIECE_BYTES = 64 << 20          # a file's digest is over the sha256 of each such piece (see _PieceHash)
 OVERLAP_BYTES = 1 << 20         # writes this large are hashed in a second thread while they are written
-VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))   # pieces hashed at once, writing and verifying
 
 # The kill points inside a save, in the order a save passes them (DFPIPE_FAULT=<point>, test-only:
 # common/faults.py). Between files, before and after the manifest, after each rename and inside
@@ -163,17 +163,29 @@ class _PieceHash:
         self._filled = 0
         self.size = 0
 
-    def update(self, data: memoryview) -> None:
+    def update(self, data: memoryview, pool: ThreadPoolExecutor | None = None) -> None:
+        """Hash `data`, the stream's next bytes; with `pool`, the whole pieces inside it on its threads."""
         at = 0
+        if self._filled:   # the piece begun by earlier bytes, first
+            at = min(PIECE_BYTES - self._filled, len(data))
+            self._add(data[:at])
+        whole = range(at, len(data) - PIECE_BYTES + 1, PIECE_BYTES)
+        if pool is not None and len(whole) > 1:
+            self._pieces += pool.map(lambda start: hashlib.sha256(data[start:start + PIECE_BYTES]).digest(), whole)
+            at = whole[-1] + PIECE_BYTES
         while at < len(data):
             take = min(PIECE_BYTES - self._filled, len(data) - at)
-            self._piece.update(data[at:at + take])
-            self._filled += take
+            self._add(data[at:at + take])
             at += take
-            if self._filled == PIECE_BYTES:
-                self._pieces.append(self._piece.digest())
-                self._piece, self._filled = hashlib.sha256(), 0
         self.size += len(data)
+
+    def _add(self, data: memoryview) -> None:
+        """Bytes of the current piece (no more than it lacks)."""
+        self._piece.update(data)
+        self._filled += len(data)
+        if self._filled == PIECE_BYTES:
+            self._pieces.append(self._piece.digest())
+            self._piece, self._filled = hashlib.sha256(), 0
 
     def hexdigest(self) -> str:
         pieces = self._pieces + ([self._piece.digest()] if self._filled else [])
@@ -186,7 +198,7 @@ def bytes_digest(data: bytes) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: str, size: int, threads: int = VERIFY_THREADS) -> str:
+def file_digest(path: str, size: int, threads: int = HASH_THREADS) -> str:
     """_PieceHash of the first `size` bytes of a file, its pieces read and hashed on `threads`
     threads (hashlib and pread let go of the GIL)."""
     def piece(i: int) -> bytes:
@@ -211,13 +223,14 @@ def file_digest(path: str, size: int, threads: int = VERIFY_THREADS) -> str:
 
 class _HashedFile:
     """A new checkpoint file (0600), digested from the very bytes written (no second read). A large
-    write is hashed on `pool`'s thread while this one writes it: both let go of the GIL."""
+    write is hashed on the `beside` thread while this one writes it, its whole pieces in parallel
+    on `pieces`' threads (hashlib and the write let go of the GIL)."""
 
-    def __init__(self, path: str, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, path: str, beside: ThreadPoolExecutor, pieces: ThreadPoolExecutor) -> None:
         self.name = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._f = os.fdopen(fd, "wb")
-        self._pool = pool
+        self._beside, self._pieces = beside, pieces
         self.hash = _PieceHash()
 
     def write(self, data: Any) -> int:
@@ -226,7 +239,7 @@ class _HashedFile:
             self.hash.update(view)
             self._f.write(view)
             return len(view)
-        hashing = self._pool.submit(self.hash.update, view)
+        hashing = self._beside.submit(self.hash.update, view, self._pieces)
         try:
             self._f.write(view)
         finally:
@@ -301,16 +314,17 @@ def save_checkpoint(out_dir: str, step: int, files: dict[str, Writer], facts: di
         os.mkdir(tmp, 0o700)
         fault_error("checkpoint.write")
         entries = {}
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as pool:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as beside, \
+                ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-piece") as pieces:
             for fname, fill in files.items():
-                f = _HashedFile(os.path.join(tmp, fname), pool)
+                f = _HashedFile(os.path.join(tmp, fname), beside, pieces)
                 try:
                     fill(f)
                     entries[fname] = f.finish()
                 finally:
                     f.close()
                 fault_point(f"checkpoint.after.{fname}")
-            manifest = _HashedFile(os.path.join(tmp, MANIFEST), pool)
+            manifest = _HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)
             try:
                 manifest.write(_manifest_bytes(facts, entries))
                 manifest.finish()

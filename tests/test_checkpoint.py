@@ -301,7 +301,8 @@ def test_a_file_s_digest_is_the_same_hashed_while_written_or_in_parallel_pieces(
     monkeypatch.setattr(ckpt, "PIECE_BYTES", 1000)        # many pieces from a small file
     monkeypatch.setattr(ckpt, "OVERLAP_BYTES", 512)       # and writes hashed beside the write
     data = os.urandom(10_500)
-    path = save_checkpoint(str(tmp_path), 1, {"blob": lambda f: [f.write(data[i:i + 700]) for i in range(0, 10_500, 700)]},
+    cuts = [0, 100, 800, 5300, 5600, 10_500]     # small writes, and large ones spanning whole pieces
+    path = save_checkpoint(str(tmp_path), 1, {"blob": lambda f: [f.write(data[a:b]) for a, b in zip(cuts, cuts[1:])]},
                            {}, keep=1)
     entry = json.loads(Path(path, MANIFEST).read_text())["files"]["blob"]
     pieces = b"".join(hashlib.sha256(data[i:i + 1000]).digest() for i in range(0, len(data), 1000))
