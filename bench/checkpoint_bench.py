@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
            "save_added_s": round(med["save_s"] - med["plain_save_s"], 4),
            "load_added_s": round(med["load_s"] - med["plain_load_s"], 4)}
     if args.step_s:
-        out["added_per_step"] = round((out["save_added_s"] + med["verify_s"]) / (args.checkpoint_every * args.step_s), 5)
+        per_checkpoint = args.checkpoint_every * args.step_s
+        out["added_per_step"] = round((out["save_added_s"] + med["verify_s"]) / per_checkpoint, 5)
     print(json.dumps(out))
     shutil.rmtree(root)
 

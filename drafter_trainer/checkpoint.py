@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -516,7 +517,7 @@ def _load_samples(path: str, data: bytes) -> tuple[dict[int, np.ndarray], dict[i
         seqs = {int(k[5:]): v.astype(np.int64) for k, v in arrays.items() if k.startswith("seqs_")}
         runs = arrays.get("unattributed", np.zeros((0, 2), np.int64))
         return samples, seqs, SeqSet.from_wire([[int(a), int(b)] for a, b in runs.reshape(-1, 2)])
-    except (ValueError, OSError, KeyError, ProtocolError) as e:
+    except (ValueError, OSError, KeyError, ProtocolError, zipfile.BadZipFile) as e:
         raise CheckpointInvalid(path, "samples.npz-unreadable", str(e)) from None
 
 
@@ -553,7 +554,8 @@ def verify_checkpoint(path: str) -> Verified:
         raise CheckpointInvalid(path, f"{MANIFEST}-checksum", "its digest does not match its content")
     named = os.path.basename(os.path.normpath(path))
     if CHECKPOINT_NAME.fullmatch(named) and int(named[len(PREFIX):]) != manifest.get("step"):
-        raise CheckpointInvalid(path, f"{MANIFEST}-disagrees", f"step {manifest.get('step')!r} in a folder named {named}")
+        raise CheckpointInvalid(path, f"{MANIFEST}-disagrees",
+                                f"step {manifest.get('step')!r} in a folder named {named}")
     files = manifest.get("files")
     if (manifest.get("format") != FORMAT or not isinstance(files, dict) or not {STATE, SAMPLES, META} <= set(files)
             or not all("/" not in n and isinstance(e, dict) and type(e.get("size")) is int
@@ -609,6 +611,8 @@ def _verify_legacy(path: str) -> Verified:
     try:
         state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=False)
         samples = {int(e): np.asarray(v, dtype=np.int64) for e, v in state["trained_samples"].items()}
+        if "model" not in state:
+            raise KeyError("model")
     except FileNotFoundError:
         raise CheckpointInvalid(path, f"{STATE}-missing", "not on disk") from None
     except Exception as e:   # a torn zip, a torn pickle: whatever unpickling a damaged file raises
@@ -699,7 +703,8 @@ class TrainerState:
             try:
                 plan = check_plan(meta["plan"], "meta.json plan")
             except ProtocolError as e:
-                raise CheckpointInvalid(path, "meta.json-plan", f"{e}; the checkpoint's data plan is unreadable") from None
+                raise CheckpointInvalid(path, "meta.json-plan",
+                                        f"{e}; the checkpoint's data plan is unreadable") from None
         return cls(step=meta["step"], epoch=meta["epoch"], have=SeqSet.from_wire(meta["have"], max_ranges=1 << 62),
                    trained_samples=v.samples, sample_seqs=v.sample_seqs, unattributed=v.unattributed,
                    skipped_steps=meta.get("skipped_steps", 0), plan=plan, epoch_sizes=meta.get("epoch_sizes"),

@@ -771,7 +771,7 @@ class Trainer:
             log.error("trainer stopping (%s) at step %d, %s. It resumes from %s once there is room under %s.",
                       reason, self.step, "its final checkpoint saved" if saved else "without a final checkpoint",
                       self.last_checkpoint or "the start", self.out_dir)
-            if self.state == "finished" and not saved and self.ranks.rank == 0:
+            if not saved and self.ranks.rank == 0:
                 log.error("%s", self._export_hint())
             return EXIT_CHECKPOINT_FAILED
         if self.ranks.rank == 0 and self.state == "finished":
@@ -786,17 +786,19 @@ class Trainer:
         return EXIT_OK
 
     def _export_hint(self) -> str:
-        """What to do for the drafter when training finished but its final checkpoint (and so the
-        export) could not be written: export the last good checkpoint, or let a restart finish it."""
+        """The way to a drafter when the final checkpoint (and so, at the end of training, the
+        export) could not be written: export the last good checkpoint now, or let a restart with
+        room train what it lacks and export."""
+        ended = "training finished, but its final checkpoint and export" if self.state == "finished" \
+            else "its final checkpoint"
         if not self.last_checkpoint:
-            return (f"training finished, but no checkpoint could be written under {self.out_dir}, so there is "
-                    "nothing to export: free space there and start the trainer again (it trains from the start)")
-        lacking = self.total_batches - self.last_checkpoint_batches
+            return (f"{ended} could not be written and no checkpoint exists under {self.out_dir}: free space there "
+                    "and start the trainer again (it trains from the start)")
         config = f"-c {self.cfg.source} " if self.cfg.source else ""
-        return (f"training finished, but its final checkpoint and so the export could not be written. The last good "
-                f"checkpoint is {self.last_checkpoint}. Its drafter now: `dfpipe export {config}--checkpoint "
-                f"{self.last_checkpoint} --out DIR` (DIR on a disk with room). The finished drafter: free space under "
-                f"{self.out_dir} and start the trainer again; it resumes from that checkpoint, trains the {lacking} "
+        return (f"{ended} could not be written. The last good checkpoint is {self.last_checkpoint}. Its drafter "
+                f"now: `dfpipe export {config}--checkpoint {self.last_checkpoint} --out DIR` (DIR on a disk with "
+                f"room). The finished drafter: free space under {self.out_dir} and start the trainer again; it "
+                f"resumes from that checkpoint, trains the {self.total_batches - self.last_checkpoint_batches} "
                 f"batches it lacks and exports to {os.path.join(self.out_dir, 'export')}")
 
     def close(self) -> None:

@@ -349,7 +349,8 @@ def test_a_kill_anywhere_in_a_save_leaves_a_checkpoint_that_verifies(tmp_path: P
     assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".")], "swept"
     path, state = resume_checkpoint(str(tmp_path))
     assert state.step in (2, 4) and list_moved_aside(str(tmp_path)) == []
-    assert [c["verified"] for c in inspect_run(str(tmp_path))["checkpoints"]] == ["ok"] * len(list_checkpoints(str(tmp_path)))
+    found = inspect_run(str(tmp_path))["checkpoints"]
+    assert [c["verified"] for c in found] == ["ok"] * len(list_checkpoints(str(tmp_path)))
 
 
 def test_inspect_reports_each_checkpoint_s_verification(tmp_path: Path) -> None:
