@@ -293,7 +293,7 @@ def write_config(workdir: str, samples: int, cache_dir: str, seed: int) -> tuple
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from drafter_trainer.checkpoint import inspect, latest_checkpoint
+    from drafter_trainer.checkpoint import inspect_run
 
     os.makedirs(args.workdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="soak-", dir=args.workdir)
@@ -338,10 +338,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                             "bad_messages", "ring")}
         if (target.get("batches") or {}).get("quarantined"):
             result["failures"].append(f"target quarantined batches: {target['batches']}")
-        info = inspect(latest_checkpoint(os.path.join(workdir, "run")))
+        info = inspect_run(os.path.join(workdir, "run"))
         info.pop("have", None)
         result["checkpoint"] = info
         result["failures"] += audit_epochs(info)
+        # a kill, wherever it lands in a save, never leaves a checkpoint that fails verification
+        result["failures"] += [f"checkpoint {c['name']}: {c['verified']}" for c in info["checkpoints"]
+                               if not c["verified"].startswith("ok")]
         soak.stop_sampling.set()   # a process shutting down is no trend
         soak.children.procs[soak.target_name].send_signal(signal.SIGTERM)
         result["final_target_exit"] = soak.expect_exit(soak.target_name, 60)

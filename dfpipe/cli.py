@@ -74,22 +74,25 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from drafter_trainer.checkpoint import inspect, latest_checkpoint
+    from drafter_trainer.checkpoint import checkpoint_root, inspect, inspect_run
     path = args.path
-    if not path:
-        cfg = _config(args)
-        path = latest_checkpoint(cfg.resolve(cfg.train.out_dir))
-        if path is None:
-            raise SystemExit(f"dfpipe inspect: no checkpoint under {cfg.resolve(cfg.train.out_dir)}")
-    elif os.path.isdir(os.path.join(path, "checkpoints")):
-        path = latest_checkpoint(path) or path
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise SystemExit(f"dfpipe inspect: {path} is not a checkpoint (no meta.json)")
-    info = inspect(path)
+    if not path or os.path.isdir(checkpoint_root(path)):
+        if not path:
+            cfg = _config(args)
+            path = cfg.resolve(cfg.train.out_dir)
+        run = path
+        info = inspect_run(run)
+        if not info["checkpoints"]:
+            raise SystemExit(f"dfpipe inspect: no checkpoint under {checkpoint_root(run)}")
+        if "verified" not in info:
+            print(f"dfpipe inspect: no checkpoint under {checkpoint_root(run)} verifies (each one's failed check "
+                  "below; README, \"The trainer crashed\")", file=sys.stderr)
+    else:
+        info = inspect(path)
     if not args.json:
         info.pop("have", None)
     _print(info, args.json)
-    return 0
+    return 0 if info.get("verified", "").startswith("ok") else 1
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -172,8 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
     p.set_defaults(fn=cmd_top)
 
-    p = sub.add_parser("inspect", help="what a checkpoint holds (step, epoch, sample accounting)")
-    p.add_argument("path", nargs="?", default="", help="a checkpoint folder or a run folder (default: latest of -c)")
+    sub.add_parser("torchrun", add_help=False,
+                   help="torchrun (the same arguments), passing on a trainer rank's exit status 3-7 (the ones "
+                        "the deployments do not restart) instead of torchrun's 1")
+
+    p = sub.add_parser("inspect", help="what a checkpoint holds (step, epoch, sample accounting) and whether it "
+                                       "verifies (exit 1 when it does not)")
+    p.add_argument("path", nargs="?", default="",
+                   help="a checkpoint folder, or a run folder: every checkpoint verified, the newest that "
+                        "verifies shown (default: the run folder of -c)")
     p.add_argument("--json", action="store_true")
     _add_config(p)
     p.set_defaults(fn=cmd_inspect)
@@ -219,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:   # torchrun's own arguments, which argparse would take for ours
+        from .torchrun import main as torchrun_main
+        return torchrun_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -147,9 +147,9 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, keep
         return rc or 1
     png = os.path.join(out_dir, "demo.png")
     plotted = plot_metrics(os.path.join(out_dir, "metrics.jsonl"), png)
-    from drafter_trainer.checkpoint import inspect, latest_checkpoint
-    ckpt = latest_checkpoint(out_dir)
-    info = inspect(ckpt) if ckpt else {}
+    from drafter_trainer.checkpoint import inspect_run
+    info = inspect_run(out_dir)
+    ckpt = info.get("path")
     leftovers = _leftover_shm(cfg)
     ts = trainer_status or {}
     print("\n== dfpipe demo summary ==")

@@ -1,25 +1,38 @@
 """`dfpipe export`: a checkpoint -> the drafter folder SGLang / vLLM / Transformers / the reference loader read."""
 from __future__ import annotations
 
+import sys
+
 from common.config import Config
-from drafter_trainer.checkpoint import TrainerState, latest_checkpoint
+from drafter_trainer.checkpoint import CheckpointInvalid, TrainerState, checkpoint_root, load_newest
 from drafter_trainer.export import ExportError, check_target, export_drafter
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel
 from target_server.tiny import BUILTIN_PREFIX
 
 
 def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: str = "") -> str:
-    """Export `checkpoint` (default: the latest) to out_dir after checking it against the target.
+    """Export `checkpoint` (default: the newest that verifies) to out_dir after checking it against
+    the target. A checkpoint that fails verification is never exported: named, it is an error;
+    looking for the newest, each newer one that fails is skipped with a line saying why.
 
     target_dir: the target model folder (default: the config's target). A folder that does not
     exist or whose hidden size, vocabulary or layer count differ from the drafter's is an error;
     a built-in target (a test model built on demand) is not checked. A checked target's config
     fingerprint is recorded in the export (`dfpipe eval` compares it with the target it is given).
     """
-    path = checkpoint or latest_checkpoint(cfg.resolve(cfg.train.out_dir))
-    if not path:
-        raise SystemExit(f"dfpipe export: no checkpoint under {cfg.resolve(cfg.train.out_dir)}")
-    state = TrainerState.load(path)
+    if checkpoint:
+        try:
+            path, state = checkpoint, TrainerState.load(checkpoint)
+        except CheckpointInvalid as e:
+            raise SystemExit(f"dfpipe export: {e}; this checkpoint fails verification and is not exported "
+                             "(`dfpipe inspect RUN_FOLDER` lists the ones that verify)") from None
+    else:
+        run = cfg.resolve(cfg.train.out_dir)
+        found = load_newest(run, lambda e: print(f"dfpipe export: skipping {e.path}: fails verification "
+                                                 f"({e.check}: {e.detail})", file=sys.stderr))
+        if found is None:
+            raise SystemExit(f"dfpipe export: no checkpoint under {checkpoint_root(run)} verifies")
+        path, state = found
     model = DFlashDraftModel(DFlashConfig(**state.drafter_config), split_fc=state.split_fc)
     try:
         state.restore_weights(model)

@@ -1,46 +1,96 @@
-"""Atomic, resumable checkpoints that say exactly which batches (and samples) they contain.
+"""Atomic, verified, resumable checkpoints that say exactly which batches (and samples) they contain.
 
-    <out_dir>/checkpoints/step-00000120/       a complete checkpoint (only ever appears by rename)
-        state.pt     weights (trainable only), optimizer, schedule, RNG, step
-        meta.json    step, epoch, have (batch seqs, as ranges), sample accounting, config hash,
-                     plan (the target server's data plan `have` counts batches of: its components and id)
-    <out_dir>/checkpoints/.tmp-step-00000120-<pid>/   being written; ignored and swept on start
-    <out_dir>/trainer.lock                      held (flock) by the one trainer using out_dir
+    <out_dir>/checkpoints/                          0700: the service user's only (files 0600)
+        step-00000120/          a complete checkpoint (only ever appears by rename)
+            state.pt            weights (trainable only), optimizer, schedule, RNG, step
+            samples.npz         per epoch: the sample ids trained and the batch seq each was trained in
+            meta.json           step, epoch, have (batch seqs, as ranges), sample accounting, config
+                                hash, plan (the target server's data plan `have` counts batches of)
+            manifest.json       written last: every other file's size and sha256, the checkpoint's
+                                facts (step, epoch, have, samples per epoch) and its own digest
+        step-00000117.bad-state.pt-checksum/   failed verification: moved aside, kept, never resumed
+        .tmp-step-00000120-<pid>/   being written; swept on start
+        .old-step-00000120-<pid>/   the copy a same-step save replaces, until the new one is in place
+        .del-step-00000090-<pid>/   being removed (past train.keep_checkpoints)
+    <out_dir>/trainer.lock      held (flock) by the one trainer using out_dir
 
-A `kill -9` at any moment leaves either the previous complete checkpoint or the new one, never a
-half-written one that `latest_checkpoint` would pick. One trainer at a time: `lock_out_dir` comes
-before anything in out_dir is read or swept, so a second trainer (another config, another
-endpoint) never sweeps the first one's checkpoint in progress or overwrites its checkpoints.
+A checkpoint is evidence, not trust: `verify_checkpoint` checks every file's size and digest
+against the manifest, and the facts against each other (meta.json says the manifest's step,
+epoch and `have`; the sample ids' batch seqs are exactly `have`); `TrainerState.load` verifies
+before it unpickles anything, and the trainer resumes from the newest checkpoint that verifies,
+moving each one that does not aside (`move_aside`).
+
+Every save is write-new-then-rename, and so is every removal (a folder leaves the names a resume
+considers before its files go): a `kill -9` at any moment leaves the previous complete checkpoint
+or the new one, the same-step re-save included (`_put_in_place`). One trainer at a time:
+`lock_out_dir` comes before anything in out_dir is read or swept, so a second trainer (another
+config, another endpoint) never sweeps the first one's checkpoint in progress.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
+import hashlib
+import io
 import json
+import logging
 import os
+import re
 import shutil
-import dataclasses
 import time
+import zipfile
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from common.cluster import accounting as cluster_accounting
-from common.cluster import count_by_host
+from common.cluster import count_by_host, epoch_ranges
 from common.faults import fault_error, fault_point
 from common.protocol import ProtocolError, check_plan
 from common.seqset import SeqSet
 
+log = logging.getLogger(__name__)
+
 PREFIX = "step-"
-
-
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+BAD_MARK = ".bad-"
 LOCK_NAME = "trainer.lock"
+FORMAT = 2                      # 2: with samples.npz and a manifest; checkpoints before it had neither
+MANIFEST = "manifest.json"
+STATE, SAMPLES, META = "state.pt", "samples.npz", "meta.json"
+PIECE_BYTES = 64 << 20          # a file's digest is over the sha256 of each such piece (see _PieceHash)
+OVERLAP_BYTES = 1 << 20         # writes this large are hashed in a second thread while they are written
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))   # pieces hashed at once, writing and verifying
+
+# The kill points inside a save, in the order a save passes them (DFPIPE_FAULT=<point>, test-only:
+# common/faults.py). Between files, before and after the manifest, after each rename and inside
+# each removal; `displaced` and `removing_old` only on a same-step re-save.
+SAVE_FAULT_POINTS = ("checkpoint.after.state.pt", "checkpoint.after.samples.npz", "checkpoint.after.meta.json",
+                     "checkpoint.before_rename", "checkpoint.displaced", "checkpoint.after_rename",
+                     "checkpoint.removing_old", "checkpoint.removing_rotated")
 
 
 class OutDirInUse(RuntimeError):
     """Another live process holds out_dir's lock."""
+
+
+class CheckpointInvalid(Exception):
+    """A checkpoint failed verification. `check` names the check (it becomes the moved-aside
+    folder's suffix, e.g. `state.pt-checksum`), `detail` what was found."""
+
+    def __init__(self, path: str, check: str, detail: str) -> None:
+        super().__init__(f"{path}: {check}: {detail}")
+        self.path, self.check, self.detail = path, check, detail
+
+
+class NoCheckpointVerifies(Exception):
+    """There were checkpoints and none of them verifies: resuming from nothing would throw the run's
+    progress away, so the trainer stops and says what to do."""
 
 
 def lock_out_dir(out_dir: str) -> int:
@@ -77,6 +127,16 @@ def checkpoint_root(out_dir: str) -> str:
     return os.path.join(out_dir, "checkpoints")
 
 
+def _private_root(out_dir: str) -> str:
+    """The checkpoints folder, 0700 (a folder an older version made 0755 is tightened)."""
+    root = checkpoint_root(out_dir)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.stat(root)
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(root, 0o700)
+    return root
+
+
 def sample_stats(trained_samples: dict[int, np.ndarray], epoch: int, epoch_samples: int) -> dict[str, int]:
     """Exactly-once accounting for one epoch: distinct samples and samples seen more than once."""
     ids = trained_samples.get(epoch, np.zeros(0, dtype=np.int64))
@@ -90,6 +150,115 @@ def epoch_stats(trained_samples: dict[int, np.ndarray]) -> dict[str, dict[str, i
     restarts) can be audited from its last checkpoint alone. String keys: it goes into JSON."""
     return {str(e): {k: v for k, v in sample_stats(trained_samples, e, 0).items() if k != "epoch_samples"}
             for e in sorted(trained_samples)}
+
+
+# ---- digests ---------------------------------------------------------------------------------------
+class _PieceHash:
+    """sha256 over the sha256 digests of a byte stream's PIECE_BYTES pieces: the same digest whether
+    it is computed in order while the file is written or piece by piece in parallel while it is
+    verified (a plain sha256 of a 20 GB file is one core for 13 s)."""
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._piece = hashlib.sha256()
+        self._filled = 0
+        self.size = 0
+
+    def update(self, data: memoryview, pool: ThreadPoolExecutor | None = None) -> None:
+        """Hash `data`, the stream's next bytes; with `pool`, the whole pieces inside it on its threads."""
+        at = 0
+        if self._filled:   # the piece begun by earlier bytes, first
+            at = min(PIECE_BYTES - self._filled, len(data))
+            self._add(data[:at])
+        whole = range(at, len(data) - PIECE_BYTES + 1, PIECE_BYTES)
+        if pool is not None and len(whole) > 1:
+            self._pieces += pool.map(lambda start: hashlib.sha256(data[start:start + PIECE_BYTES]).digest(), whole)
+            at = whole[-1] + PIECE_BYTES
+        while at < len(data):
+            take = min(PIECE_BYTES - self._filled, len(data) - at)
+            self._add(data[at:at + take])
+            at += take
+        self.size += len(data)
+
+    def _add(self, data: memoryview) -> None:
+        """Bytes of the current piece (no more than it lacks)."""
+        self._piece.update(data)
+        self._filled += len(data)
+        if self._filled == PIECE_BYTES:
+            self._pieces.append(self._piece.digest())
+            self._piece, self._filled = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        pieces = self._pieces + ([self._piece.digest()] if self._filled else [])
+        return hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
+def bytes_digest(data: bytes) -> str:
+    h = _PieceHash()
+    h.update(memoryview(data))
+    return h.hexdigest()
+
+
+def file_digest(path: str, size: int, threads: int = HASH_THREADS) -> str:
+    """_PieceHash of the first `size` bytes of a file, its pieces read and hashed on `threads`
+    threads (hashlib and pread let go of the GIL)."""
+    def piece(i: int) -> bytes:
+        h = hashlib.sha256()
+        buf = bytearray(min(8 << 20, PIECE_BYTES))
+        start, stop = i * PIECE_BYTES, min(size, (i + 1) * PIECE_BYTES)
+        with open(path, "rb", buffering=0) as f:
+            while start < stop:
+                n = os.preadv(f.fileno(), [memoryview(buf)[:min(len(buf), stop - start)]], start)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{path}: ends at {start} bytes, {size} expected")
+                h.update(memoryview(buf)[:n])
+                start += n
+        return h.digest()
+
+    count = -(-size // PIECE_BYTES)
+    if count <= 1:
+        return hashlib.sha256(b"".join(piece(i) for i in range(count))).hexdigest()
+    with ThreadPoolExecutor(min(threads, count), thread_name_prefix="checkpoint-verify") as pool:
+        return hashlib.sha256(b"".join(pool.map(piece, range(count)))).hexdigest()
+
+
+class _HashedFile:
+    """A new checkpoint file (0600), digested from the very bytes written (no second read). A large
+    write is hashed on the `beside` thread while this one writes it, its whole pieces in parallel
+    on `pieces`' threads (hashlib and the write let go of the GIL)."""
+
+    def __init__(self, path: str, beside: ThreadPoolExecutor, pieces: ThreadPoolExecutor) -> None:
+        self.name = path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._f = os.fdopen(fd, "wb")
+        self._beside, self._pieces = beside, pieces
+        self.hash = _PieceHash()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) < OVERLAP_BYTES:
+            self.hash.update(view)
+            self._f.write(view)
+            return len(view)
+        hashing = self._beside.submit(self.hash.update, view, self._pieces)
+        try:
+            self._f.write(view)
+        finally:
+            hashing.result()    # `view` may be a writer's buffer, valid only during this call
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def finish(self) -> dict[str, Any]:
+        """Durable on disk; its manifest entry."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return {"size": self.hash.size, "sha256": self.hash.hexdigest()}
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _write_error(error: BaseException) -> OSError | None:
@@ -120,72 +289,355 @@ def _save_state(state: dict[str, Any], f: Any) -> None:
         raise OSError(failed.errno, f"writing {getattr(f, 'name', 'state.pt')}: {failed.strerror or failed}") from e
 
 
-def save_checkpoint(out_dir: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> str:
-    root = checkpoint_root(out_dir)
-    os.makedirs(root, exist_ok=True)
-    final = os.path.join(root, f"{PREFIX}{step:08d}")
-    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}-{os.getpid()}")
+# ---- saving ----------------------------------------------------------------------------------------
+Writer = Callable[[IO[bytes]], None]
+
+
+def _manifest_bytes(facts: dict[str, Any], files: dict[str, dict[str, Any]]) -> bytes:
+    body = {**facts, "format": FORMAT, "piece_bytes": PIECE_BYTES, "files": files}
+    return json.dumps({**body, "digest": _json_digest(body)}, indent=1, sort_keys=True).encode()
+
+
+def _json_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def save_checkpoint(out_dir: str, step: int, files: dict[str, Writer], facts: dict[str, Any], keep: int) -> str:
+    """Write `files` (name -> what writes it, in order) and then the manifest (`facts`, each file's
+    size and digest) into a new folder, durable, and put it in place as step-<step>; keep the
+    `keep` newest. OSError when a write fails (its folder removed: a full disk does not fill up
+    further with every retry)."""
+    root = _private_root(out_dir)
+    name = f"{PREFIX}{step:08d}"
+    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        os.makedirs(tmp)
+        os.mkdir(tmp, 0o700)
         fault_error("checkpoint.write")
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            _save_state(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        entries = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as beside, \
+                ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-piece") as pieces:
+            for fname, fill in files.items():
+                f = _HashedFile(os.path.join(tmp, fname), beside, pieces)
+                try:
+                    fill(f)
+                    entries[fname] = f.finish()
+                finally:
+                    f.close()
+                fault_point(f"checkpoint.after.{fname}")
+            manifest = _HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)
+            try:
+                manifest.write(_manifest_bytes(facts, entries))
+                manifest.finish()
+            finally:
+                manifest.close()
         fsync_path(tmp)
     except BaseException:
-        # a full disk must not fill up further with every retry
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fault_point("checkpoint.before_rename")
-    if os.path.exists(final):  # same step saved twice (e.g. SIGTERM right after a periodic save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_path(root)
-    for old in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    final = os.path.join(root, name)
+    _put_in_place(tmp, final)
+    try:
+        for old in list_checkpoints(out_dir)[:-keep]:
+            _discard(old, "checkpoint.removing_rotated")
+    except OSError as e:    # the new checkpoint is in place: a leftover old one costs only disk
+        log.warning("could not remove checkpoints past train.keep_checkpoints=%d: %s", keep, e)
     return final
 
 
+def _put_in_place(tmp: str, final: str) -> None:
+    """Rename the complete folder `tmp` to `final`. A same-step re-save (e.g. SIGTERM right after a
+    periodic save) first renames the old copy aside: at every moment one of the two is whole
+    under a name the start-up sweep restores (`sweep_partial`)."""
+    if not os.path.exists(final):
+        os.rename(tmp, final)
+        fsync_path(os.path.dirname(final))
+        fault_point("checkpoint.after_rename")
+        return
+    old = os.path.join(os.path.dirname(final), f".old-{os.path.basename(final)}-{os.getpid()}")
+    os.rename(final, old)
+    fault_point("checkpoint.displaced")
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old, final)
+        raise
+    fsync_path(os.path.dirname(final))
+    fault_point("checkpoint.after_rename")
+    _discard(old, "checkpoint.removing_old")
+
+
+def _discard(path: str, point: str) -> None:
+    """Remove a checkpoint folder: out of the names a resume considers first (one rename), then its files."""
+    base = os.path.basename(path)
+    if not base.startswith("."):
+        hidden = os.path.join(os.path.dirname(path), f".del-{base}-{os.getpid()}")
+        os.rename(path, hidden)
+        path = hidden
+    fault_point(point)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def list_checkpoints(out_dir: str) -> list[str]:
+    """The checkpoint folders (step-NNNNNNNN), oldest first; verified or not (`verify_checkpoint`)."""
     root = checkpoint_root(out_dir)
     if not os.path.isdir(root):
         return []
-    names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX)
-                   and os.path.isfile(os.path.join(root, n, "meta.json")))
+    names = sorted(n for n in os.listdir(root) if CHECKPOINT_NAME.fullmatch(n) and os.path.isdir(os.path.join(root, n)))
     return [os.path.join(root, n) for n in names]
 
 
+def list_moved_aside(out_dir: str) -> list[str]:
+    """Checkpoints that failed verification and were moved aside (step-NNNNNNNN.bad-<check>)."""
+    root = checkpoint_root(out_dir)
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if n.startswith(PREFIX) and BAD_MARK in n and os.path.isdir(os.path.join(root, n))]
+
+
 def sweep_partial(out_dir: str) -> int:
-    """Remove checkpoints a killed process left half-written."""
+    """What a killed save or removal left (rank 0, at start, holding the out_dir lock): folders
+    being written or removed go; a same-step copy that was renamed aside comes back if its
+    replacement never got into place. Returns how many were swept or restored."""
     root = checkpoint_root(out_dir)
     if not os.path.isdir(root):
         return 0
-    gone = 0
-    for n in os.listdir(root):
-        if n.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
-            gone += 1
-    return gone
+    done = 0
+    for n in sorted(os.listdir(root)):
+        path = os.path.join(root, n)
+        if n.startswith((".tmp-", ".del-")):
+            shutil.rmtree(path, ignore_errors=True)
+            done += 1
+        elif n.startswith(".old-") and CHECKPOINT_NAME.fullmatch(name := n[len(".old-"):].rsplit("-", 1)[0]):
+            final = os.path.join(root, name)
+            if os.path.exists(final):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, final)
+                log.warning("restored %s: a kill interrupted its same-step re-save", final)
+            done += 1
+    return done
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    found = list_checkpoints(out_dir)
-    return found[-1] if found else None
+def move_aside(path: str, check: str) -> str:
+    """Rename a checkpoint that failed `check` to <name>.bad-<check> (never delete it: it may be
+    the only copy of the run's progress someone can repair); its new path."""
+    base = f"{path}{BAD_MARK}{re.sub(r'[^A-Za-z0-9._-]', '_', check)}"
+    target, n = base, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{base}-{n}"
+    os.rename(path, target)
+    fsync_path(os.path.dirname(path))
+    return target
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    state = torch.load(os.path.join(path, "state.pt"), map_location=map_location, weights_only=False)
-    return state, meta
+# ---- verification ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Verified:
+    """A checkpoint that passed `verify_checkpoint`, with what was read to check it."""
+    path: str
+    meta: dict[str, Any]
+    samples: dict[int, np.ndarray]        # sample ids trained, per epoch
+    sample_seqs: dict[int, np.ndarray]    # the batch seq of each (-1: resumed from a checkpoint before seqs)
+    unattributed: SeqSet                  # the seqs of those -1 samples
+    legacy: bool = False                  # no manifest (written before checkpoints had one): consistency only
+    state: dict[str, Any] | None = None   # legacy only: state.pt, loaded to check it
 
 
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointInvalid(path, f"{name}-missing", "not on disk") from None
+    except OSError as e:
+        raise CheckpointInvalid(path, f"{name}-unreadable", str(e)) from None
+
+
+def _json(path: str, name: str, data: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except ValueError as e:
+        raise CheckpointInvalid(path, f"{name}-unreadable", f"not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointInvalid(path, f"{name}-unreadable", "not a JSON object")
+    return obj
+
+
+def _seqset_of(seqs: np.ndarray) -> SeqSet:
+    """The set of the seqs in `seqs`, built run by run."""
+    u = np.unique(seqs)
+    if not len(u):
+        return SeqSet()
+    breaks = np.flatnonzero(np.diff(u) != 1)
+    starts = u[np.concatenate(([0], breaks + 1))]
+    stops = u[np.concatenate((breaks, [len(u) - 1]))] + 1
+    return SeqSet.from_ranges(zip(starts.tolist(), stops.tolist()))
+
+
+def check_samples(path: str, have: SeqSet, samples: dict[int, np.ndarray], seqs: dict[int, np.ndarray],
+                  unattributed: SeqSet, epoch_sizes: list[int] | None) -> None:
+    """`have` agrees with the sample ids beside it: the batch seqs they were trained in (and the
+    seqs of samples resumed from a checkpoint that did not record them) are exactly `have`, and
+    each seq lies in the epoch its samples are counted under."""
+    def disagree(detail: str) -> CheckpointInvalid:
+        return CheckpointInvalid(path, "samples-disagree", detail)
+
+    if set(samples) != set(seqs):
+        raise disagree(f"sample ids for epochs {sorted(samples)}, batch seqs for {sorted(seqs)}")
+    ranges = epoch_ranges(epoch_sizes) if epoch_sizes else []
+    trained = SeqSet()
+    for e in sorted(samples):
+        if len(samples[e]) != len(seqs[e]):
+            raise disagree(f"epoch {e}: {len(samples[e])} sample ids, {len(seqs[e])} batch seqs")
+        s = seqs[e][seqs[e] >= 0]
+        if e < len(ranges) and len(s) and not (ranges[e].start <= s.min() and s.max() < ranges[e].stop):
+            raise disagree(f"epoch {e}: batch seqs outside its range [{ranges[e].start}, {ranges[e].stop})")
+        trained.update(_seqset_of(s))
+    if any(bool((seqs[e] < 0).any()) for e in seqs) != bool(unattributed):
+        raise disagree("samples without a batch seq and the seqs recorded for them do not go together")
+    trained.update(unattributed)
+    if trained != have:
+        only_have, only_samples = have.copy(), trained.copy()
+        only_have.difference_update(trained)
+        only_samples.difference_update(have)
+        raise disagree(f"have holds {len(have)} batches, the trained samples were of {len(trained)}: "
+                       f"{len(only_have)} in have only {only_have.to_wire()[:3]}, {len(only_samples)} in the "
+                       f"samples only {only_samples.to_wire()[:3]}")
+
+
+def _load_samples(path: str, data: bytes) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], SeqSet]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        samples = {int(k[4:]): v.astype(np.int64) for k, v in arrays.items() if k.startswith("ids_")}
+        seqs = {int(k[5:]): v.astype(np.int64) for k, v in arrays.items() if k.startswith("seqs_")}
+        runs = arrays.get("unattributed", np.zeros((0, 2), np.int64))
+        return samples, seqs, SeqSet.from_wire([[int(a), int(b)] for a, b in runs.reshape(-1, 2)])
+    except (ValueError, OSError, KeyError, ProtocolError, zipfile.BadZipFile) as e:
+        raise CheckpointInvalid(path, "samples.npz-unreadable", str(e)) from None
+
+
+def _samples_bytes(samples: dict[int, np.ndarray], seqs: dict[int, np.ndarray], unattributed: SeqSet) -> bytes:
+    arrays = {f"ids_{e}": np.asarray(v, np.int64) for e, v in samples.items()}
+    arrays.update({f"seqs_{e}": np.asarray(v, np.int64) for e, v in seqs.items()})
+    arrays["unattributed"] = np.asarray(unattributed.to_wire(), np.int64).reshape(-1, 2)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _have(path: str, wire: Any, where: str) -> SeqSet:
+    try:
+        return SeqSet.from_wire(wire, max_ranges=1 << 62)
+    except ProtocolError as e:
+        raise CheckpointInvalid(path, f"{where}-unreadable", f"have: {e}") from None
+
+
+def verify_checkpoint(path: str) -> Verified:
+    """Every check a checkpoint must pass before anything in it is believed; CheckpointInvalid
+    naming the first that fails. Reads every file once (state.pt's pieces in parallel) and
+    unpickles nothing: the manifest's own digest, each file's size, then the small files' digests
+    and the facts (meta.json's step, epoch and have are the manifest's; the samples' batch seqs
+    are `have`, `check_samples`), then state.pt's digest. A checkpoint without a manifest is from
+    before manifests: `_verify_legacy`."""
+    if not os.path.isdir(path):
+        raise CheckpointInvalid(path, "folder-missing", "no such checkpoint folder")
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        return _verify_legacy(path)
+    manifest = _json(path, MANIFEST, _read(path, MANIFEST))
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    if manifest.get("digest") != _json_digest(body):
+        raise CheckpointInvalid(path, f"{MANIFEST}-checksum", "its digest does not match its content")
+    named = os.path.basename(os.path.normpath(path))
+    if CHECKPOINT_NAME.fullmatch(named) and int(named[len(PREFIX):]) != manifest.get("step"):
+        raise CheckpointInvalid(path, f"{MANIFEST}-disagrees",
+                                f"step {manifest.get('step')!r} in a folder named {named}")
+    files = manifest.get("files")
+    if (manifest.get("format") != FORMAT or not isinstance(files, dict) or not {STATE, SAMPLES, META} <= set(files)
+            or not all("/" not in n and isinstance(e, dict) and type(e.get("size")) is int
+                       and isinstance(e.get("sha256"), str) for n, e in files.items())):
+        raise CheckpointInvalid(path, f"{MANIFEST}-unreadable", f"format {manifest.get('format')}, files "
+                                f"{sorted(files) if isinstance(files, dict) else files!r:.80}")
+    for name, entry in files.items():
+        try:
+            size = os.stat(os.path.join(path, name)).st_size
+        except FileNotFoundError:
+            raise CheckpointInvalid(path, f"{name}-missing", "listed in the manifest, not on disk") from None
+        if size != entry["size"]:
+            raise CheckpointInvalid(path, f"{name}-size", f"{size} bytes, the manifest says {entry['size']}")
+    small = {}
+    for name in files:
+        if name == STATE:
+            continue
+        small[name] = _read(path, name)
+        if bytes_digest(small[name]) != files[name]["sha256"]:
+            raise CheckpointInvalid(path, f"{name}-checksum", "its content is not what was written")
+    meta = _json(path, META, small[META])
+    for k in ("step", "epoch", "have"):
+        if meta.get(k) != manifest.get(k):
+            raise CheckpointInvalid(path, "meta.json-disagrees", f"{k}: meta.json {meta.get(k)!r:.60}, "
+                                    f"manifest {manifest.get(k)!r:.60}")
+    have = _have(path, meta["have"], META)
+    samples, seqs, unattributed = _load_samples(path, small[SAMPLES])
+    counts = {str(e): len(v) for e, v in samples.items()}
+    if counts != manifest.get("samples"):
+        raise CheckpointInvalid(path, "samples-disagree", f"samples per epoch {counts}, the manifest says "
+                                f"{manifest.get('samples')}")
+    check_samples(path, have, samples, seqs, unattributed, meta.get("epoch_sizes"))
+    state_size = files[STATE]["size"]
+    try:
+        digest = file_digest(os.path.join(path, STATE), state_size)
+    except OSError as e:
+        raise CheckpointInvalid(path, f"{STATE}-unreadable", str(e)) from None
+    if digest != files[STATE]["sha256"]:
+        raise CheckpointInvalid(path, f"{STATE}-checksum", "its content is not what was written")
+    return Verified(path, meta, samples, seqs, unattributed)
+
+
+def _verify_legacy(path: str) -> Verified:
+    """A checkpoint from before manifests (no manifest.json, no samples.npz): accepted after a
+    consistency check, since its bytes cannot be checked: meta.json parses, state.pt unpickles,
+    their steps agree, and the sample accounting in meta.json (per epoch, and the batch total in
+    `cluster`) is what the sample ids in state.pt and its `have` give."""
+    if os.path.exists(os.path.join(path, SAMPLES)):
+        raise CheckpointInvalid(path, f"{MANIFEST}-missing", "a checkpoint with samples.npz has a manifest")
+    meta = _json(path, META, _read(path, META))
+    if meta.get("format") == FORMAT:
+        raise CheckpointInvalid(path, f"{MANIFEST}-missing", "meta.json says it was written with one")
+    try:
+        state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=False)
+        samples = {int(e): np.asarray(v, dtype=np.int64) for e, v in state["trained_samples"].items()}
+        if "model" not in state:
+            raise KeyError("model")
+    except FileNotFoundError:
+        raise CheckpointInvalid(path, f"{STATE}-missing", "not on disk") from None
+    except Exception as e:   # a torn zip, a torn pickle: whatever unpickling a damaged file raises
+        raise CheckpointInvalid(path, f"{STATE}-unreadable", f"{type(e).__name__}: {e}") from None
+    have = _have(path, meta.get("have"), META)
+
+    def disagree(detail: str) -> CheckpointInvalid:
+        return CheckpointInvalid(path, "meta.json-disagrees", detail)
+
+    if state.get("step") != meta.get("step"):
+        raise disagree(f"step: meta.json {meta.get('step')!r}, state.pt {state.get('step')!r}")
+    epoch = meta.get("epoch", 0)
+    for k, v in sample_stats(samples, epoch, 0).items():
+        if k in meta and k != "epoch_samples" and meta[k] != v:
+            raise disagree(f"{k}: meta.json {meta[k]!r}, the sample ids give {v}")
+    if "epochs" in meta and meta["epochs"] != epoch_stats(samples):
+        raise disagree("epochs: the per-epoch counts are not what the sample ids give")
+    total = (meta.get("cluster") or {}).get("total", {}).get("batches_trained")
+    if total is not None and total != len(have):
+        raise disagree(f"have holds {len(have)} batches, cluster.total says {total}")
+    seqs = {e: np.full(len(v), -1, np.int64) for e, v in samples.items()}
+    return Verified(path, meta, samples, seqs, have.copy(), legacy=True, state=state)
+
+
+# ---- the trainer's state -------------------------------------------------------------------------
 @dataclasses.dataclass
 class TrainerState:
     """What a checkpoint holds, written (`save`) and read (`load`) here only. The trainer builds
@@ -197,6 +649,8 @@ class TrainerState:
     epoch: int
     have: SeqSet                                  # batch seqs whose effect is in the weights (every host's)
     trained_samples: dict[int, np.ndarray]        # sample ids trained, per epoch
+    sample_seqs: dict[int, np.ndarray] | None = None   # the batch seq of each of those (None: all -1)
+    unattributed: SeqSet = dataclasses.field(default_factory=SeqSet)   # the seqs of the -1 ones
     skipped_steps: int = 0
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)   # the data plan of `have` ({}: not recorded)
     epoch_sizes: list[int] | None = None          # batches of every planned epoch (None: not recorded)
@@ -208,30 +662,51 @@ class TrainerState:
     split_fc: bool = False
 
     def save(self, out_dir: str, keep: int, reason: str, epoch_samples: int, num_hosts: int = 1) -> tuple[str, dict]:
-        """Write it atomically (save_checkpoint); its path and meta. OSError when the write fails."""
+        """Write it atomically, with its manifest (save_checkpoint); its path and meta. OSError
+        when the write fails."""
         state = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
-                 "drafter_config": self.drafter_config, "split_fc": self.split_fc, "rng": {"torch": self.rng},
-                 "trained_samples": self.trained_samples}
+                 "drafter_config": self.drafter_config, "split_fc": self.split_fc, "rng": {"torch": self.rng}}
+        seqs = self.sample_seqs if self.sample_seqs is not None else \
+            {e: np.full(len(v), -1, np.int64) for e, v in self.trained_samples.items()}
         sizes = self.epoch_sizes or []
-        meta = {"step": self.step, "epoch": self.epoch, "have": self.have.to_wire(), "reason": reason,
+        have = self.have.to_wire()
+        meta = {"format": FORMAT, "step": self.step, "epoch": self.epoch, "have": have, "reason": reason,
                 "plan": self.plan, "config_hash": self.config_hash, "skipped_steps": self.skipped_steps,
                 "time": time.time(), **sample_stats(self.trained_samples, self.epoch, epoch_samples),
                 "epochs": epoch_stats(self.trained_samples), "epoch_sizes": sizes,
                 "cluster": cluster_accounting(count_by_host(self.have, sizes, num_hosts), sizes)}
-        return save_checkpoint(out_dir, self.step, state, meta, keep), meta
+        facts = {"step": self.step, "epoch": self.epoch, "have": have,
+                 "samples": {str(e): len(v) for e, v in self.trained_samples.items()}}
+        files: dict[str, Writer] = {
+            STATE: lambda f: _save_state(state, f),
+            SAMPLES: lambda f: f.write(_samples_bytes(self.trained_samples, seqs, self.unattributed)),
+            META: lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()),
+        }
+        return save_checkpoint(out_dir, self.step, files, facts, keep), meta
 
     @classmethod
     def load(cls, path: str) -> "TrainerState":
-        state, meta = load_checkpoint(path)
+        """Verify the checkpoint (verify_checkpoint), then load it. CheckpointInvalid when it fails;
+        nothing of it is unpickled before its digest is checked."""
+        v = verify_checkpoint(path)
+        meta, state = v.meta, v.state
+        if state is None:
+            try:   # mapped, not read: the verification just brought its pages into the page cache
+                state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=False, mmap=True)
+            except Exception as e:   # its digest matched: this is no torn file, but never a traceback
+                raise CheckpointInvalid(path, f"{STATE}-unreadable", f"{type(e).__name__}: {e}") from None
+            if state.get("step") != meta["step"]:
+                raise CheckpointInvalid(path, f"{STATE}-disagrees", f"step {state.get('step')!r}, "
+                                        f"meta.json and the manifest say {meta['step']}")
         plan = {}
         if meta.get("plan"):
             try:
                 plan = check_plan(meta["plan"], "meta.json plan")
             except ProtocolError as e:
-                raise ValueError(f"{path}: {e}; the checkpoint's data plan is unreadable (restore its meta.json, "
-                                 "or remove its 'plan' to resume it unchecked)") from None
-        return cls(step=meta["step"], epoch=meta["epoch"], have=SeqSet.from_wire(meta["have"]),
-                   trained_samples={int(e): np.asarray(v, dtype=np.int64) for e, v in state["trained_samples"].items()},
+                raise CheckpointInvalid(path, "meta.json-plan",
+                                        f"{e}; the checkpoint's data plan is unreadable") from None
+        return cls(step=meta["step"], epoch=meta["epoch"], have=SeqSet.from_wire(meta["have"], max_ranges=1 << 62),
+                   trained_samples=v.samples, sample_seqs=v.sample_seqs, unattributed=v.unattributed,
                    skipped_steps=meta.get("skipped_steps", 0), plan=plan, epoch_sizes=meta.get("epoch_sizes"),
                    config_hash=meta.get("config_hash", ""), model=state["model"], optimizer=state.get("optimizer"),
                    rng=state.get("rng", {}).get("torch"), drafter_config=state.get("drafter_config", {}),
@@ -246,8 +721,52 @@ class TrainerState:
             torch.set_rng_state(self.rng)
 
 
+def load_newest(out_dir: str, on_invalid: Callable[[CheckpointInvalid], None]) -> tuple[str, TrainerState] | None:
+    """The newest checkpoint under out_dir that verifies, loaded; `on_invalid` is told of each newer
+    one that does not (the trainer moves it aside, `dfpipe export` says it skips it). None: none verifies."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            return path, TrainerState.load(path)
+        except CheckpointInvalid as e:
+            on_invalid(e)
+    return None
+
+
+def resume_checkpoint(out_dir: str) -> tuple[str, TrainerState] | None:
+    """What the trainer resumes (rank 0, holding the out_dir lock): the newest checkpoint that
+    verifies. Each newer one that fails is logged with the check it failed and moved aside
+    (`move_aside`). None: there is no checkpoint (a fresh start). NoCheckpointVerifies: there were
+    checkpoints, now or moved aside on an earlier start, and none verifies; starting over from
+    nothing would throw the run away, so that is left to the operator."""
+    def set_aside(e: CheckpointInvalid) -> None:
+        try:
+            where = move_aside(e.path, e.check)
+        except OSError as err:   # it is never trusted either way; the next start checks it again
+            where = f"(not moved: {err})"
+        log.error("checkpoint %s failed verification (%s: %s): moved aside to %s, never resumed; trying the one "
+                  "before it", e.path, e.check, e.detail, where)
+
+    found = load_newest(out_dir, set_aside)
+    if found is not None:
+        path, state = found
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            log.warning("%s has no manifest (written before checkpoints were checksummed): resumed after a "
+                        "consistency check (its step, sample accounting and have agree), its bytes unchecked; "
+                        "its next checkpoint has one", path)
+        return found
+    bad = list_moved_aside(out_dir)
+    if not bad:
+        return None
+    root = checkpoint_root(out_dir)
+    raise NoCheckpointVerifies(
+        f"no checkpoint under {root} verifies ({', '.join(os.path.basename(b) for b in bad)}: each moved aside, "
+        f"the check it failed in its name and in the log). Nothing was deleted. Put a good copy of a checkpoint "
+        f"folder back as {root}/step-NNNNNNNN (from a backup, or a repaired one) and start the trainer again; "
+        f"or, to train from scratch, move {root} away (mv {root} {root}.failed)")
+
+
 def read_meta(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+    with open(os.path.join(path, META), encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -259,13 +778,42 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def inspect(path: str) -> dict[str, Any]:
-    """What `dfpipe inspect` prints: the meta, the accounting of the current epoch and (from
-    checkpoints that carry it) of every epoch before it and of each host's shard (`cluster`)."""
-    meta = read_meta(path)
-    have = SeqSet.from_wire(meta["have"])
-    out = {k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
-                                "epochs", "cluster", "config_hash", "skipped_steps", "time") if k in meta}
+    """What `dfpipe inspect` prints of one checkpoint: `verified` (ok, or the check it fails), the
+    meta, the accounting of the current epoch and (from checkpoints that carry it) of every epoch
+    before it and of each host's shard (`cluster`)."""
+    try:
+        v = verify_checkpoint(path)
+        meta: dict[str, Any] | None = v.meta
+        verdict = "ok (no manifest: consistency checked, bytes not)" if v.legacy else "ok"
+    except CheckpointInvalid as e:
+        verdict = f"failed: {e.check}: {e.detail}"
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError):
+            meta = None
+    out: dict[str, Any] = {"path": os.path.abspath(path), "verified": verdict}
+    if not isinstance(meta, dict):
+        return out
+    out.update({k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
+                                     "epochs", "cluster", "config_hash", "skipped_steps", "time") if k in meta})
+    try:
+        out["batches"] = len(SeqSet.from_wire(meta.get("have"), max_ranges=1 << 62))
+    except ProtocolError:
+        out["batches"] = None
     # the data plan its batches are of (None: written before plans were fingerprinted)
-    out.update({"path": os.path.abspath(path), "batches": len(have), "have": meta["have"],
-                "plan": meta.get("plan")})
+    out.update({"have": meta.get("have"), "plan": meta.get("plan")})
+    return out
+
+
+def inspect_run(out_dir: str) -> dict[str, Any]:
+    """`dfpipe inspect` of a run folder: every checkpoint verified, newest first (`checkpoints`:
+    name, step, verified), then the moved-aside ones; the rest is `inspect` of the newest that
+    verifies (no `verified` key when none does)."""
+    reports = [inspect(p) for p in reversed(list_checkpoints(out_dir))]
+    newest = next((r for r in reports if r["verified"].startswith("ok")), None)
+    out: dict[str, Any] = dict(newest) if newest else {}
+    out["checkpoints"] = [{"name": os.path.basename(r["path"]), "step": r.get("step"), "verified": r["verified"]}
+                          for r in reports]
+    out["checkpoints"] += [{"name": os.path.basename(p), "verified": "moved aside: failed "
+                            + os.path.basename(p).split(BAD_MARK, 1)[1]} for p in list_moved_aside(out_dir)]
     return out

@@ -56,8 +56,8 @@ from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes, sample_stats,
-                         sweep_partial)
+from .checkpoint import (NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir, plan_changes,
+                         resume_checkpoint, sample_stats, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -77,6 +77,14 @@ EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
 EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
 EXIT_PLAN_CHANGED = 6     # the target serves another data plan than the checkpoint's: restarting would not help
 EXIT_CONFIG = 2           # a setting this host cannot run (as `dfpipe` says for a bad config)
+EXIT_NO_CHECKPOINT_VERIFIES = 7   # there are checkpoints and none verifies: restarting would not help
+# The statuses the deployments do not restart (systemd RestartPreventExitStatus; `dfpipe torchrun`
+# passes a rank's on instead of torchrun's own 1).
+FINAL_EXITS = (EXIT_CONFIG, EXIT_BAD_STEPS, EXIT_CHECKPOINT_FAILED, EXIT_OUT_DIR_IN_USE, EXIT_PLAN_CHANGED,
+               EXIT_NO_CHECKPOINT_VERIFIES)
+
+
+REFUSED = "\0"   # rank 0's pick, broadcast: no checkpoint verifies (the message follows)
 
 
 class PlanChanged(Exception):
@@ -249,9 +257,12 @@ class Trainer:
         self.resumed: TrainerState | None = None    # the checkpoint resumed, until _take_drafter restores it
         self.resumed_plan: dict[str, Any] = {}      # the data plan of the checkpoint's `have` ({}: none recorded)
         self.resumed_batches = 0
-        self.trained_samples: dict[int, list[np.ndarray]] = {}
+        self.trained_samples: dict[int, list[np.ndarray]] = {}   # sample ids, per epoch, a batch an array
+        self.sample_seqs: dict[int, list[np.ndarray]] = {}       # the batch seq of each of them (-1: unattributed)
+        self.unattributed = SeqSet()                # seqs of samples resumed from a checkpoint before seqs
         self.last_loss = float("nan")
         self.last_checkpoint = ""
+        self.last_checkpoint_batches = 0             # batches the last good checkpoint holds
         self.acc_per_pos: list[float] = []
         self.tokens = 0
         self.anchors = 0                            # blocks supervised by this process's steps
@@ -300,26 +311,38 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
-        """Rank 0 locks out_dir; every rank takes the latest checkpoint's accounting (the weights
-        wait in `resumed` for the drafter); this host's shard of its batches, for HELLO."""
-        path = None
+        """Rank 0 locks out_dir and finds the newest checkpoint that verifies (moving each newer one
+        that does not aside); every rank takes its accounting (the weights wait in `resumed` for
+        the drafter); this host's shard of its batches, for HELLO."""
+        pick, r = "", None
         if self.ranks.rank == 0:
             self.out_dir_lock = lock_out_dir(self.out_dir)   # before anything in out_dir is touched
             sweep_partial(self.out_dir)
-            path = latest_checkpoint(self.out_dir)
+            try:
+                found = resume_checkpoint(self.out_dir)
+            except NoCheckpointVerifies as e:
+                pick = REFUSED + str(e)
+            else:
+                pick, r = found if found is not None else ("", None)
         # rank 0's pick, on every rank: on another host out_dir is a shared filesystem whose listing
         # may lag behind; every rank must start from the same checkpoint
-        path = self.ranks.broadcast_str(path or "") or None
-        if path is None:
+        pick = self.ranks.broadcast_str(pick)
+        if pick.startswith(REFUSED):
+            raise NoCheckpointVerifies(pick[len(REFUSED):])
+        if not pick:
             return SeqSet()
-        r = self.resumed = TrainerState.load(path)
+        path = pick
+        r = self.resumed = r if r is not None else TrainerState.load(path)
         self.step, self.epoch, self.skipped_steps = r.step, r.epoch, r.skipped_steps
         self.trained = r.have.copy()
         self.resumed_batches = len(self.trained)
         # on rank 0 only: a checkpoint gathers every rank's samples, so a copy on each rank would
         # count every resumed sample once per rank (duplicated)
-        self.trained_samples = {e: [v] for e, v in r.trained_samples.items()} if self.ranks.rank == 0 else {}
-        self.last_checkpoint = path
+        if self.ranks.rank == 0:
+            self.trained_samples = {e: [v] for e, v in r.trained_samples.items()}
+            self.sample_seqs = {e: [v] for e, v in (r.sample_seqs or {}).items()}
+            self.unattributed = r.unattributed.copy()
+        self.last_checkpoint, self.last_checkpoint_batches = path, len(self.trained)
         self.resumed_plan = r.plan
         if r.config_hash != self.cfg.hash("drafter"):
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
@@ -340,16 +363,18 @@ class Trainer:
         the save: the target keeps every uncommitted seq, and training goes on to the next try."""
         with self.stages.time("checkpoint"):
             # every rank trained different batches: the saved set is their union
-            parts = self.ranks.gather_objects((self.trained.to_wire(),
-                                               {e: np.concatenate(v).tolist() if v else []
-                                                for e, v in self.trained_samples.items()}))
+            parts = self.ranks.gather_objects((self.trained.to_wire(), {
+                e: (np.concatenate(ids).tolist(), np.concatenate(self.sample_seqs[e]).tolist())
+                for e, ids in self.trained_samples.items() if ids}))
             have = SeqSet()
             samples: dict[int, list[int]] = {}
+            seqs: dict[int, list[int]] = {}
             for wire, by_epoch in parts:
-                have.update(SeqSet.from_wire(wire))
-                for e, ids in by_epoch.items():
+                have.update(SeqSet.from_wire(wire, max_ranges=1 << 62))
+                for e, (ids, of) in by_epoch.items():
                     samples.setdefault(int(e), []).extend(ids)
-            saved = self._save(reason, have, samples) if self.ranks.rank == 0 else False
+                    seqs.setdefault(int(e), []).extend(of)
+            saved = self._save(reason, have, samples, seqs) if self.ranks.rank == 0 else False
             # every host's first rank tells its own host's server (the others only see their shard)
             saved = self.ranks.broadcast_str("saved" if saved else "") == "saved"
             if saved and self.ranks.local_rank == 0:
@@ -357,12 +382,14 @@ class Trainer:
                 self.feed.commit(restrict_to_host(have, self.epoch_sizes, c.num_hosts, c.host_rank), self.step)
             return saved
 
-    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]]) -> bool:
+    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]], seqs: dict[int, list[int]]) -> bool:
         """Rank 0: write the checkpoint of the union `have`; False when the save failed."""
         trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
         state = TrainerState(
             step=self.step, epoch=self.epoch, have=have, skipped_steps=self.skipped_steps,
-            trained_samples={e: np.asarray(v, dtype=np.int64) for e, v in samples.items()}, plan=self.plan,
+            trained_samples={e: np.asarray(v, dtype=np.int64) for e, v in samples.items()},
+            sample_seqs={e: np.asarray(v, dtype=np.int64) for e, v in seqs.items()},
+            unattributed=self.unattributed, plan=self.plan,
             epoch_sizes=self.epoch_sizes, config_hash=self.cfg.hash("drafter"), model=trainable,
             optimizer=self.optimizer.state_dict(), rng=torch.get_rng_state(),
             drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc)
@@ -372,6 +399,7 @@ class Trainer:
         except OSError as e:
             return self._checkpoint_failed(reason, e)
         self.checkpoint_failures_in_row = 0
+        self.last_checkpoint_batches = len(have)
         log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
                  {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
         return True
@@ -518,6 +546,7 @@ class Trainer:
                     "exactly-once accounting (%d batches held) restarts empty for the new plan",
                     self.resumed_plan.get("id"), served["id"], changes, self.step, len(self.trained))
         self.trained, self.resumed_batches, self.trained_samples, self.epoch = SeqSet(), 0, {}, 0
+        self.sample_seqs, self.unattributed = {}, SeqSet()
         self.feed.restart_accounting()
 
     # ---- one step ------------------------------------------------------------------------------
@@ -547,7 +576,9 @@ class Trainer:
 
     def _record(self, batch, out, lr: float, step_s: float, wait_s: float) -> None:
         self.trained.add(batch.seq)
-        self.trained_samples.setdefault(batch.epoch, []).append(batch.sample_ids.cpu().numpy().astype(np.int64))
+        ids = batch.sample_ids.cpu().numpy().astype(np.int64)
+        self.trained_samples.setdefault(batch.epoch, []).append(ids)
+        self.sample_seqs.setdefault(batch.epoch, []).append(np.full(len(ids), batch.seq, np.int64))
         self.epoch = max(self.epoch, batch.epoch)
         self.tokens += batch.num_tokens
         if out is None:
@@ -743,6 +774,8 @@ class Trainer:
             log.error("trainer stopping (%s) at step %d, %s. It resumes from %s once there is room under %s.",
                       reason, self.step, "its final checkpoint saved" if saved else "without a final checkpoint",
                       self.last_checkpoint or "the start", self.out_dir)
+            if not saved and self.ranks.rank == 0:
+                log.error("%s", self._export_hint())
             return EXIT_CHECKPOINT_FAILED
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
@@ -754,6 +787,22 @@ class Trainer:
             log.info("exported drafter to %s", export_dir)
         log.info("trainer stopping (%s) at step %d", reason, self.step)
         return EXIT_OK
+
+    def _export_hint(self) -> str:
+        """The way to a drafter when the final checkpoint (and so, at the end of training, the
+        export) could not be written: export the last good checkpoint now, or let a restart with
+        room train what it lacks and export."""
+        ended = "training finished, but its final checkpoint and export" if self.state == "finished" \
+            else "its final checkpoint"
+        if not self.last_checkpoint:
+            return (f"{ended} could not be written and no checkpoint exists under {self.out_dir}: free space there "
+                    "and start the trainer again (it trains from the start)")
+        config = f"-c {self.cfg.source} " if self.cfg.source else ""
+        return (f"{ended} could not be written. The last good checkpoint is {self.last_checkpoint}. Its drafter "
+                f"now: `dfpipe export {config}--checkpoint {self.last_checkpoint} --out DIR` (DIR on a disk with "
+                f"room). The finished drafter: free space under {self.out_dir} and start the trainer again; it "
+                f"resumes from that checkpoint, trains the {self.total_batches - self.last_checkpoint_batches} "
+                f"batches it lacks and exports to {os.path.join(self.out_dir, 'export')}")
 
     def close(self) -> None:
         if self.feed is not None:
@@ -791,6 +840,9 @@ def main(cfg: Config) -> int:
     except ConfigError as e:     # a setting this host cannot run (drafter.precision fp8 without FP8 matmuls)
         log.error("trainer refused: %s", e)
         rc = EXIT_CONFIG
+    except NoCheckpointVerifies as e:
+        log.error("trainer stopped: %s", e)
+        rc = EXIT_NO_CHECKPOINT_VERIFIES
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)

@@ -144,16 +144,17 @@ def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-def inspect_run(config: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "dfpipe", "inspect", "-c", str(config), "--json"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+def inspect_run(config: Path, run: Path | None = None) -> dict[str, Any]:
+    """`dfpipe inspect --json` of the config's run folder (or `run`): its newest checkpoint that verifies."""
+    out = subprocess.run([sys.executable, "-m", "dfpipe", "inspect", *([str(run)] if run else []), "-c", str(config),
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 
 
-def assert_exactly_once(config: Path) -> dict[str, Any]:
+def assert_exactly_once(config: Path, run: Path | None = None) -> dict[str, Any]:
     """The finished run's last checkpoint: every sample of every epoch trained, none twice."""
-    info = inspect_run(config)
+    info = inspect_run(config, run)
     assert info["samples_trained"] == info["epoch_samples"] > 0, info
     assert info["samples_duplicated"] == 0, info
     epochs = info["epochs"]

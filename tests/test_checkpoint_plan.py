@@ -16,7 +16,7 @@ import pytest
 
 from common.protocol import PLAN_ID_LEN, Hello, ProtocolError, Welcome, check_plan, decode, plan_id
 from common.seqset import SeqSet
-from drafter_trainer.checkpoint import inspect, plan_changes, save_checkpoint
+from drafter_trainer.checkpoint import TrainerState, inspect, plan_changes
 from target_server.packer import Packer, data_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,9 +87,16 @@ def test_a_plan_on_the_wire_must_carry_the_fingerprint_of_its_components() -> No
 
 
 def test_a_checkpoint_records_its_plan_and_inspect_shows_it(tmp_path: Path) -> None:
+    import torch
+
     plan = _plan()
-    path = save_checkpoint(str(tmp_path), 3, {"w": 1}, {"step": 3, "epoch": 0, "have": SeqSet([0, 1]).to_wire(),
-                                                        "plan": plan}, keep=2)
-    assert inspect(path)["plan"] == plan
-    old = save_checkpoint(str(tmp_path / "old"), 3, {"w": 1}, {"step": 3, "epoch": 0, "have": []}, keep=2)
-    assert inspect(old)["plan"] is None
+    state = TrainerState(step=3, epoch=0, have=SeqSet([0, 1]), trained_samples={0: np.array([4, 7])},
+                         sample_seqs={0: np.array([0, 1])}, plan=plan)
+    path, _ = state.save(str(tmp_path), keep=2, reason="test", epoch_samples=2)
+    assert inspect(path)["plan"] == plan and inspect(path)["verified"] == "ok"
+    # from before plans (and manifests): no plan in its meta.json
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save({"step": 3, "model": {}, "trained_samples": {0: np.array([4, 7])}}, old / "state.pt")
+    (old / "meta.json").write_text(json.dumps({"step": 3, "epoch": 0, "have": [[0, 2]]}))
+    assert inspect(str(old))["plan"] is None

@@ -87,7 +87,7 @@ def test_each_compose_placement_gives_disjoint_gpus_one_rank_or_worker_each(shap
     n_target, n_trainer = (int(x) for x in re.match(r"\dgpu-(\d)\+(\d)", shape).groups())
     assert (len(t_gpus), len(r_gpus)) == (n_target, n_trainer) and not set(t_gpus) & set(r_gpus)
     entry = trainer["entrypoint"]
-    assert entry[:2] == ["torchrun", "--nproc-per-node"] and int(entry[2]) == n_trainer
+    assert entry[:3] == ["dfpipe", "torchrun", "--nproc-per-node"] and int(entry[3]) == n_trainer
     overrides = [a for a in target["command"] if a.startswith("target.devices=")]
     from common.config import load_config
     devices = load_config(None, overrides).target.devices
@@ -223,7 +223,7 @@ def test_compose_takes_the_host_rank_and_rendezvous_from_the_environment() -> No
             cluster = load_config(None, env_overrides({k: str(v) for k, v in svc["environment"].items()})).cluster
             assert (cluster.num_hosts, cluster.host_rank) == ((2, 1) if multihost else (1, 0))
         t_env = {k: str(v) for k, v in trainer["environment"].items()}
-        args = _torchrun_args(trainer["entrypoint"][1:] + ["trainer"], t_env)
+        args = _torchrun_args(trainer["entrypoint"][2:] + ["trainer"], t_env)
         assert args.rdzv_backend == "c10d" and args.nnodes == ("2" if multihost else "1")
         assert args.rdzv_endpoint == ("10.0.0.1:29400" if multihost else "127.0.0.1:29400")
         assert t_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1", "a restarted world needs a fresh store"
@@ -247,12 +247,32 @@ def test_systemd_units_take_the_host_rank_and_rendezvous_from_cluster_env() -> N
         assert text.index("EnvironmentFile=-/etc/dfpipe/cluster.env") > text.index("Environment=DFPIPE_HOST_RANK=0")
     exec_start = re.search(r"^ExecStart=(.*?)(?<!\\)$", trainer, re.M | re.S).group(1).replace("\\\n", " ")
     argv = exec_start.split()
-    assert argv[0].endswith("/torchrun")
+    assert argv[0].endswith("/dfpipe") and argv[1] == "torchrun"
     for env, expect in ((unit_env(trainer), ("1", "127.0.0.1:29400", (1, 0))),
                         ({**unit_env(trainer), **cluster_env}, ("2", "10.0.0.1:29400", (2, 0)))):
-        expanded = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in argv[1:]]
+        expanded = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in argv[2:]]
         args = _torchrun_args(expanded, {})
         assert (args.nnodes, args.rdzv_endpoint, args.rdzv_backend) == (*expect[:2], "c10d"), expanded
         cluster = load_config(None, env_overrides(env)).cluster
         assert (cluster.num_hosts, cluster.host_rank) == expect[2]
     assert unit_env(trainer)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_the_trainer_unit_does_not_restart_a_status_a_restart_would_not_help() -> None:
+    from drafter_trainer.train import FINAL_EXITS
+
+    text = (UNITS / "dfpipe-trainer.service").read_text()
+    prevented = re.search(r"^RestartPreventExitStatus=(.*)$", text, re.M).group(1).split()
+    assert sorted(map(int, prevented)) == sorted(FINAL_EXITS)
+
+
+@pytest.mark.parametrize(("rank_status", "launcher_status"), [(7, 7), (2, 1)])
+def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_status: int,
+                                                         launcher_status: int) -> None:
+    # torchrun alone exits 1 for any failed rank, so RestartPreventExitStatus would never match
+    rank = tmp_path / "rank.py"
+    rank.write_text(f"import sys\nsys.exit({rank_status})\n")
+    done = subprocess.run([sys.executable, "-m", "dfpipe", "torchrun", "--standalone", "--nproc-per-node", "1",
+                           str(rank)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == launcher_status, done.stderr[-2000:]

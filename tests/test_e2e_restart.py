@@ -242,6 +242,24 @@ def _files(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != "trainer.lock"}
 
 
+def _as_before_plans_and_manifests(path: Path) -> dict:
+    """Rewrite a checkpoint as dfpipe wrote them before plans and manifests: the sample ids in
+    state.pt, no samples.npz, no manifest, no plan in meta.json. Its meta."""
+    import numpy as np
+    import torch
+
+    state = torch.load(path / "state.pt", weights_only=False)
+    with np.load(path / "samples.npz") as z:
+        state["trained_samples"] = {int(k[4:]): z[k] for k in z.files if k.startswith("ids_")}
+    torch.save(state, path / "state.pt")
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["plan"], meta["format"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "samples.npz").unlink()
+    (path / "manifest.json").unlink()
+    return meta
+
+
 def test_a_changed_data_plan_is_refused_naming_it_and_new_plan_starts_a_new_accounting(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     cfg = load(config)
@@ -254,15 +272,13 @@ def test_a_changed_data_plan_is_refused_naming_it_and_new_plan_starts_a_new_acco
         assert ctl(ep_trainer, "shutdown") == {"accepted": "shutdown"}
         assert tr.wait(60) == 0, tr.log()
         assert inspect_run(config)["plan"] == old_plan
-        # a checkpoint from before plans were fingerprinted: resumed with a warning, records it from then on
-        meta_path = Path(inspect_run(config)["path"]) / "meta.json"
-        meta = json.loads(meta_path.read_text())
-        del meta["plan"]
-        meta_path.write_text(json.dumps(meta))
+        # a checkpoint from before plans were fingerprinted (and before manifests): resumed with a
+        # warning after its consistency check, records both from then on
+        meta = _as_before_plans_and_manifests(Path(inspect_run(config)["path"]))
         old = Service("trainer", config, tmp_path, overrides=[f"train.max_steps={meta['step'] + 2}"])
         services.append(old)
         assert old.wait(300) == 0, old.log()
-        assert "records no data plan" in old.log(tail=10_000)
+        assert "records no data plan" in old.log(tail=10_000) and "has no manifest" in old.log(tail=10_000)
         stopped = inspect_run(config)
         assert stopped["plan"] == old_plan and stopped["step"] == meta["step"] + 2
         target.stop()

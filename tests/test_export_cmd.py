@@ -90,3 +90,23 @@ def test_without_target_the_configs_target_folder_is_checked(run_dir, tmp_path):
 def test_a_builtin_target_is_not_checked_and_says_so(run_dir, tmp_path, capsys):
     assert _export(run_dir, tmp_path / "out", "--set", "target.model=builtin:tiny-qwen3") == 0
     assert "not checked" in capsys.readouterr().out and (tmp_path / "out" / "config.json").exists()
+
+
+def test_export_takes_the_newest_checkpoint_that_verifies_and_refuses_a_damaged_one(run_dir, tmp_path, capsys):
+    model = make_model(tiny_config(), seed=1)
+    newer, _ = TrainerState(step=6, epoch=0, have=SeqSet(), trained_samples={}, model=model.trainable_state_dict(),
+                            drafter_config=dataclasses.asdict(model.config)).save(str(run_dir), keep=2, reason="test",
+                                                                                  epoch_samples=0)
+    state_pt = os.path.join(newer, "state.pt")
+    data = bytearray(open(state_pt, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(state_pt, "wb").write(bytes(data))
+    target = _target(tmp_path / "target", model_type="qwen3", **TARGET_SHAPE)
+    assert _export(run_dir, tmp_path / "out", "--target", target) == 0
+    assert f"skipping {newer}: fails verification (state.pt-checksum" in capsys.readouterr().err
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))["fc.weight"]
+    step_5 = make_model(tiny_config()).fc.weight      # run_dir's checkpoint, the one before the damaged one
+    assert exported.equal(step_5.to(exported.dtype)) and not exported.equal(model.fc.weight.to(exported.dtype))
+    with pytest.raises(SystemExit, match="state.pt-checksum: .*fails verification and is not exported"):
+        _export(run_dir, tmp_path / "out2", "--target", target, "--checkpoint", newer)
+    assert not (tmp_path / "out2").exists()

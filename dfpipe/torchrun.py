@@ -1,0 +1,28 @@
+"""`dfpipe torchrun ARGS`: torchrun with the same arguments, ending with a trainer rank's own exit
+status when it is one the deployments must not restart (drafter_trainer.train.FINAL_EXITS: 2-7).
+
+torchrun exits 1 whenever a worker fails, whatever the worker's status, so under a bare torchrun
+systemd's RestartPreventExitStatus never sees a 4 (checkpoints keep failing) or a 7 (no checkpoint
+verifies) and restarts the trainer into the same failure. The systemd unit and the compose shapes
+run the trainer through this instead; every other outcome is torchrun's own.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        from drafter_trainer.train import FINAL_EXITS
+        final = sorted({f.exitcode for f in e.failures.values()} & set(FINAL_EXITS))
+        if not final:
+            return 1
+        print(f"dfpipe torchrun: a trainer rank exited with status {final[0]} (restarting would not help: "
+              "its log says why); passing it on", file=sys.stderr)
+        return final[0]
+    return 0
