@@ -457,6 +457,7 @@ ring:
   slots: 4
 data:
   train_path: {data}
+  heldout_path: "{heldout}"
   token_budget: {token_budget}
   max_len: 1024
   seed: {seed}
@@ -479,6 +480,8 @@ train:
   checkpoint_every: {every}
   keep_checkpoints: 1000
   log_every: 5
+  eval_every: {eval_every}
+  eval_batches: 2
   seed: {seed}
   tensorboard: false
 service:
@@ -491,12 +494,15 @@ service:
 
 
 def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str, recipe: DrafterRecipe,
-                                   epochs: int, seed: int = 0, checkpoint_every: int = 0) -> str:
+                                   epochs: int, seed: int = 0, checkpoint_every: int = 0, heldout_path: str = "",
+                                   eval_every: int = 5) -> str:
     """Train a drafter for the toy target on the chat file `data_path` through both services, the
     path users run (`dfpipe demo`: target server -> /dev/shm ring -> trainer), `epochs` whole
     epochs (the learning-rate schedule runs to its end). Returns the config it wrote; the run's
     checkpoints are in `<run_dir>/train` (every `checkpoint_every` steps; 0: only the final
-    one) and the final drafter in `<run_dir>/train/export`. Raises RuntimeError if the run fails.
+    one) and the final drafter in `<run_dir>/train/export`. With `heldout_path` the trainer
+    evaluates on its first two batches every `eval_every` steps (`eval_loss`, `eval_tau` records in
+    `<run_dir>/train/metrics.jsonl`). Raises RuntimeError if the run fails.
     """
     from dfpipe.demo import run_demo
 
@@ -509,7 +515,8 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             seed=seed, target=os.path.abspath(target_dir), run=os.path.abspath(run_dir), layers=recipe.num_layers,
             block=recipe.block_size, anchors=recipe.max_anchors, epochs=epochs, lr=recipe.lr,
             warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
-            every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision))
+            every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision,
+            heldout=os.path.abspath(heldout_path) if heldout_path else "", eval_every=eval_every if heldout_path else 0))
     try:
         rc = run_demo(config)
     finally:
