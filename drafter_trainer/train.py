@@ -49,7 +49,7 @@ from common.channel import CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
-from common.config import Config, default_gamma, default_layer_ids
+from common.config import Config, check_devices, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import Welcome, new_session_secret
@@ -228,6 +228,10 @@ PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop,
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if cfg.train.devices:   # the placement; train.device is then not read
+            check_devices("train.devices", cfg.train.devices)
+        else:
+            check_devices("train.device", cfg.train.device)
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
         self.flags = TrainerFlags()

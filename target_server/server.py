@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from common.channel import CurveKeys, RouterChannel
-from common.config import Config
+from common.config import Config, ConfigError, check_devices
 from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
@@ -41,6 +41,7 @@ from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, P
 from common.ring import ProducerRing, SlotState
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
+from .tiny import BUILTIN_PREFIX, model_folder_problem
 from .worker import TargetWorker
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,20 @@ class TargetServer:
                                    f"server per ring.name: stop that one, or give this one another "
                                    f"ring.name") from None
 
+    def _check_config(self) -> None:
+        """Mistakes the config alone shows, before anything is taken or loaded: devices this host
+        has, and a target folder that exists (data preparation would otherwise fail first, with
+        advice about the tokenizer)."""
+        t = self.cfg.target
+        check_devices("target.devices", t.devices)
+        if not t.model.startswith(BUILTIN_PREFIX):
+            problem = model_folder_problem(self.cfg.resolve(t.model))
+            if problem:
+                raise ConfigError(f"target.model: {problem}")
+
     def start(self) -> None:
         t = self.cfg.target
+        self._check_config()
         self._take_ring_roles()
         if t.triton_cache_dir:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
@@ -284,6 +297,8 @@ class TargetServer:
     # ---- main loop -----------------------------------------------------------------------------
     def _check_workers(self) -> None:
         for w in self.workers:
+            if isinstance(w.error, ConfigError):
+                raise w.error   # its message names the key that fixes it
             if w.error is not None:
                 raise RuntimeError(f"target worker {w.worker} on {w.device} failed: {w.error!r}") from w.error
         if self.state in ("loading", "warming"):
@@ -386,6 +401,8 @@ def main(cfg: Config) -> int:
     server = TargetServer(cfg)
     try:
         return server.run()
+    except ConfigError:
+        raise   # the command line prints it as one line (exit status 2)
     except Exception as e:
         log.error("target server failed: %s", e)
         return 1
