@@ -291,7 +291,8 @@ class Trainer:
                 "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
                                               if self.acc_per_pos else None),
                 "acceptance_per_position": [round(a, 4) for a in self.acc_per_pos],
-                "feed": {"state": feed.state, **feed.counters} if feed else None,
+                "feed": {"state": feed.state, **feed.counters,
+                         **({"waiting_for": feed.waiting_for()} if feed.state != "streaming" else {})} if feed else None,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
