@@ -35,7 +35,7 @@ import zmq
 from common.channel import CurveKeys, RouterChannel
 from common.config import Config, ConfigError, check_devices
 from common.liveness import LockHeld, RoleLock, pid_alive
-from common.metrics import StageTimes, start_metrics_server
+from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
                              next_rid)
 from common.ring import ProducerRing, SlotState
@@ -53,6 +53,7 @@ class TargetServer:
         self.state = "loading"
         self.started = time.time()
         self.stages = StageTimes()
+        self.rate = TokenRate()   # of the tokens produced: status tokens_per_s (top, ctl)
         self.dispatcher = Dispatcher()
         self.core: DeliveryCore | None = None   # made once the data plan is known (start)
         self._stop = False
@@ -200,6 +201,7 @@ class TargetServer:
                         "corrupt_slots": events.get("corrupt_slots", 0),
                         "corrupt_payloads": events.get("corrupt_payloads", 0)},
             "tokens": sum(w.tokens for w in self.workers),
+            "tokens_per_s": self.rate.per_s(time.monotonic()),
             "epoch_sizes": core.plan.sizes if core else [],
             "cluster": {"num_hosts": self.cfg.cluster.num_hosts, "host_rank": self.cfg.cluster.host_rank,
                         "shard_sizes": [len(core.plan.shard(e)) for e in range(len(core.plan.sizes))] if core else []},
@@ -284,6 +286,7 @@ class TargetServer:
             self.state = "draining"
         elif msg.cmd == "shutdown":
             self._stop = True
+            self.state = "stopping"   # what the reply says: the loop stops before it serves again
         elif msg.cmd == "checkpoint":
             ok, error = False, "the target server keeps no durable state; checkpoint the trainer (dfpipe ctl trainer checkpoint)"
         result.setdefault("state", self.state)
@@ -347,6 +350,7 @@ class TargetServer:
                     for w in self.workers:
                         if w.ring is not None:
                             w.ring.heartbeat()
+                    self.rate.mark(now, sum(w.tokens for w in self.workers))
                     self._apply([Scan()])
                     if self.state == "draining" and self.dispatcher.idle() and (
                             self.core.session is None or not any(v.ready and not v.acked for v in self.snapshot(reclaim=False))):
