@@ -111,7 +111,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
-    return run_demo(args.config or None, args.set, keep=args.keep)
+    return run_demo(args.config or None, args.set, fresh=args.fresh)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="both services on CPU with the tiny target and demo data, end to end")
     _add_config(p)
-    p.add_argument("--keep", action="store_true", help="keep the run folder from an earlier demo (resume)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start afresh: delete the run folder of an earlier demo (by default an interrupted run "
+                        "continues from its checkpoint)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("target-server", help="run the target server (long-lived)")

@@ -34,6 +34,7 @@ from common.protocol import ProtocolError, check_plan
 from common.seqset import SeqSet
 
 PREFIX = "step-"
+FINISHED = "end of training"   # the `reason` in the meta of the checkpoint a trainer writes when its epochs are done
 
 
 LOCK_NAME = "trainer.lock"

@@ -56,8 +56,8 @@ from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes, sample_stats,
-                         sweep_partial)
+from .checkpoint import (FINISHED, OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes,
+                         sample_stats, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -632,7 +632,7 @@ class Trainer:
         """No rank has a batch: finish, stop, checkpoint (drain) or wait; an exit status to end with."""
         if agreed.everyone_ended:
             self.state = "finished"
-            return self._finish("end of training")
+            return self._finish(FINISHED)
         if agreed.stop:
             return self._finish(self.flags.reason or "stop requested")
         if agreed.checkpoint:
