@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
+from common.liveness import stop_with_launcher
 from target_server.data import add_arguments as add_prepare_arguments
 
 DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_launcher()   # first: a service `dfpipe demo` started stops with the demo, however it dies
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -6,7 +6,8 @@ the target down over its control endpoint, plots loss and throughput, prints a s
 checks that no /dev/shm file and no process is left behind.
 
 The demo owns its two services: the kernel sends each SIGTERM when the demo dies, however it
-dies (PDEATHSIG), so a killed demo leaves no process and no ring behind. Ctrl-C (or SIGTERM)
+dies (PDEATHSIG, which each arms as it starts: `liveness.stop_with_launcher`), so a killed demo
+leaves no process and no ring behind. Ctrl-C (or SIGTERM)
 stops both cleanly; the trainer writes its checkpoint, and the next `dfpipe demo` continues from
 it (`--fresh` starts afresh; a run that finished its epoch is started afresh anyway).
 """
@@ -22,12 +23,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common.config import Config, load_config
-from common.liveness import signal_on_parent_death
+from common.liveness import STOP_WITH_ENV
 from common.metrics import RATE_WINDOW_S
 
 from .ctl import summary_line, try_status
@@ -36,23 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 
 
-def _dies_with(parent: int) -> Callable[[], None]:
-    """preexec_fn of a service: SIGTERM (a clean stop) when `parent`, the demo, dies, whatever kills it."""
-    def arm() -> None:
-        signal_on_parent_death(signal.SIGTERM, parent)
-    return arm
-
-
 def _spawn(role: str, config: str, overrides: list[str], log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dfpipe", role, "-c", config]
     for o in overrides:
         cmd += ["--set", o]
     log = open(log_path, "ab")
-    # two services on a small CPU box: one intra-op thread each, or they slow each other down
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # two services on a small CPU box: one intra-op thread each, or they slow each other down;
+    # and they stop when the demo dies, whatever kills it (`dfpipe` arms that first thing)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), STOP_WITH_ENV: str(os.getpid())}
     # own process group: Ctrl-C on the demo reaches the children only through us (clean shutdown)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                            preexec_fn=_dies_with(os.getpid()))
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:

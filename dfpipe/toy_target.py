@@ -509,7 +509,7 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
             every=checkpoint_every or 1_000_000, sockets=sockets))
     try:
-        rc = run_demo(config)
+        rc = run_demo(config, fresh=True)   # a whole training, never one continued
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     if rc != 0:
