@@ -347,8 +347,48 @@ def default_layer_ids(num_layers: int, k: int) -> list[int]:
         return [1]
     ids = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
     if len(set(ids)) != k or ids[-1] >= num_layers:
-        raise ConfigError(f"cannot place {k} capture layers in a {num_layers}-layer target")
+        most = next(j for j in range(k - 1, 0, -1) if _places(num_layers, j))
+        raise ConfigError(f"cannot place {k} capture layers in a {num_layers}-layer target: set "
+                          f"target.num_capture_layers to at most {most}, or list the layers in target.layer_ids")
     return ids
+
+
+def _places(num_layers: int, k: int) -> bool:
+    """Whether `default_layer_ids` spreads k layers over the target (k = 1 always fits)."""
+    try:
+        default_layer_ids(num_layers, k)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_devices(key: str, devices: str | list[str]) -> None:
+    """The devices a service is about to use, checked at its start (not at load: ctl, inspect and
+    the tests read GPU configs on hosts without a GPU): each names a CPU or a CUDA device this host
+    has. A CUDA device where torch finds none would otherwise fail deep inside torch (a missing
+    `_cuda_setDevice`, a pin_memory error) or, as `train.device: cuda`, quietly run on the CPU."""
+    import torch
+
+    listed = isinstance(devices, list)
+    shown, cpu = (f"[{', '.join(devices)}]", "[cpu]") if listed else (devices, "cpu")
+    for value in devices if listed else [devices]:
+        if value == "auto" and not listed:
+            continue
+        try:
+            device = torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"{key}: {value!r} is not a device (cpu, cuda or cuda:N)") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"{key}: {value!r}: dfpipe runs on cpu or cuda devices")
+        if device.type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key}: {shown} asks for CUDA, but torch finds no CUDA device on this host "
+                              f"(torch.cuda.is_available() is False): set {key}: {cpu}")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{key}: {value} is not on this host, which has {count} CUDA device(s) "
+                              f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them)")
 
 
 def default_gamma(block_size: int) -> float:

@@ -251,19 +251,21 @@ class RoleLock:
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 
-def signal_on_parent_death(sig: int) -> bool:
+def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
     """Have the kernel send `sig` to this process when its parent dies (Linux prctl PDEATHSIG).
 
-    For a worker whose launcher owns its lifetime (a torchrun rank): torchrun starts every rank in
-    a session of its own, so a SIGKILL of torchrun's process group (or an OOM kill of torchrun
-    alone) leaves the ranks running, holding GPUs and the trainer's endpoints, and still attached
-    to the target server. Returns False where prctl is unavailable. If the parent is already gone
-    (died before the call, the process was re-parented), the signal is sent at once.
+    For a worker whose launcher owns its lifetime (a torchrun rank; the services `dfpipe demo`
+    starts, `stop_with_launcher`): torchrun starts every rank in a session of its own, so a
+    SIGKILL of torchrun's process group (or an OOM kill of torchrun alone) leaves the ranks
+    running, holding GPUs and the trainer's endpoints, and still attached to the target server.
+    Returns False where prctl is unavailable. If the parent is already gone (died before the
+    call, the process was re-parented), the signal is sent at once. `parent`: the pid the caller
+    knows as its parent (it may have died before the call); default: the parent now.
     """
     import ctypes
     import signal
 
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
@@ -273,3 +275,19 @@ def signal_on_parent_death(sig: int) -> bool:
     if parent == 1 or os.getppid() != parent:
         signal.raise_signal(sig)
     return True
+
+
+# The pid of a launcher whose services stop with it (`dfpipe demo`), in the services' environment.
+STOP_WITH_ENV = "DFPIPE_STOP_WITH"
+
+
+def stop_with_launcher() -> None:
+    """SIGTERM (a clean stop) when the launcher named in STOP_WITH_ENV dies, however it dies: a
+    process arms this itself, first thing (a preexec_fn would run between fork and exec, where a
+    multi-threaded launcher, e.g. a test runner, can deadlock). A launcher that died before the
+    call stops it at once. The variable is not passed on to this process's own children."""
+    import signal
+
+    launcher = os.environ.pop(STOP_WITH_ENV, "")
+    if launcher.isdigit():
+        signal_on_parent_death(signal.SIGTERM, int(launcher))

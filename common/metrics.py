@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +42,43 @@ class StageTimes:
             return {k: {"seconds": round(v, 6), "count": self._counts[k],
                         "mean_ms": round(1000 * v / max(1, self._counts[k]), 3)}
                     for k, v in self._seconds.items()}
+
+
+RATE_WINDOW_S = 30.0   # long enough to hold several steps of a slow trainer (a few seconds each on a CPU)
+
+
+class TokenRate:
+    """A service's tokens per second over its last RATE_WINDOW_S seconds: the one rate it reports
+    (its status, the trainer's metrics records), which `dfpipe top`, `ctl`, the demo's summary
+    and its plot all show. A rate between two looks of a viewer would read 0 whenever no step or
+    batch ended in between.
+
+    `mark(now, total)` records the running token count (the trainer at each step's end, the
+    target server as it polls). The rate is over whole marks: from the newest mark at least
+    RATE_WINDOW_S old (or the first) to the newest; none for RATE_WINDOW_S means 0."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()    # marked by one thread, read by the control thread
+        self._marks: deque[tuple[float, float]] = deque()
+
+    def mark(self, now: float, total: float) -> None:
+        with self._lock:
+            if self._marks and total < self._marks[-1][1]:
+                self._marks.clear()      # the count went back (a new accounting): start over
+            self._marks.append((now, total))
+            while len(self._marks) > 2 and self._marks[1][0] <= now - self.window_s:
+                self._marks.popleft()
+
+    def per_s(self, now: float) -> float | None:
+        """Tokens per second; None before two marks."""
+        with self._lock:
+            if len(self._marks) < 2:
+                return None
+            (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
+        if now - t1 > self.window_s:
+            return 0.0
+        return round((c1 - c0) / (t1 - t0), 2) if t1 > t0 else None
 
 
 def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:

@@ -481,6 +481,16 @@ class ProducerRing(_RingMap):
         lock.acquire()
         return lock
 
+    @staticmethod
+    def role_held(shm_dir: str, name: str, worker: int) -> bool:
+        """Whether a live process holds the producer role for (name, worker): a target server for
+        that ring runs (it takes the role first thing and gives it up last). A probe: it takes
+        nothing from the holder (RoleLock.anyone_holds)."""
+        try:
+            return RoleLock.anyone_holds(shm_dir, f"{name}.w{worker}", "producer")
+        except PermissionError:   # another user's lock file: its ring exists, so take its server as running
+            return True
+
     @classmethod
     def create(cls, shm_dir: str, name: str, worker: int, slot_count: int, slot_size: int,
                cuda_register: str = "auto", role: RoleLock | None = None) -> "ProducerRing":

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
+from common.liveness import stop_with_launcher
 from target_server.data import add_arguments as add_prepare_arguments
 
 DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
@@ -114,7 +115,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
-    return run_demo(args.config or None, args.set, keep=args.keep)
+    return run_demo(args.config or None, args.set, fresh=args.fresh)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -144,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="both services on CPU with the tiny target and demo data, end to end")
     _add_config(p)
-    p.add_argument("--keep", action="store_true", help="keep the run folder from an earlier demo (resume)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start afresh: delete the run folder of an earlier demo (by default an interrupted run "
+                        "continues from its checkpoint)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("target-server", help="run the target server (long-lived)")
@@ -229,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_launcher()   # first: a service `dfpipe demo` started stops with the demo, however it dies
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["torchrun"]:   # torchrun's own arguments, which argparse would take for ours
         from .torchrun import main as torchrun_main

@@ -138,23 +138,6 @@ def uncommitted_batches(session: Any) -> int | None:
     return max(0, delivered - max(0, committed - have))
 
 
-class TokenRate:
-    """A service's tok/s between two refreshes of the view; its own average until there are two."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, float]] = {}
-
-    def update(self, service: str, tokens: Any, now: float, average: float | None) -> float | None:
-        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)):
-            self._last.pop(service, None)
-            return average
-        before = self._last.get(service)
-        self._last[service] = (now, float(tokens))
-        if before is None or now <= before[0] or tokens < before[1]:    # first look, or a restarted service
-            return average
-        return (tokens - before[1]) / (now - before[0])
-
-
 def _title(name: str, state: Any, style: str = "bold") -> Text:
     # a Text, not markup: a state string is the service's, and may hold brackets
     return Text.assemble(f"{name} ", (str(state), style))
@@ -165,14 +148,14 @@ def _down(name: str, endpoint: str) -> Panel:
                  title=_title(name, "not answering", "bold red"), title_align="left", border_style="red")
 
 
-def target_panel(status: dict[str, Any] | None, rate: float | None, endpoint: str) -> Panel:
+def target_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
     if status is None:
         return _down("target server", endpoint)
     batches = status.get("batches") if isinstance(status.get("batches"), dict) else {}
     slots = ring_slots(status.get("ring"))
     session = status.get("session")
     rows = [
-        _line(("rate", f"{_num(rate)} tok/s"), ("up", _duration(status.get("uptime_s"))),
+        _line(("rate", f"{_num(status.get('tokens_per_s'))} tok/s"), ("up", _duration(status.get("uptime_s"))),
               ("workers", _num(status.get("workers"))), ("consumer epoch", _num(status.get("consumer_epoch")))),
         _line(("batches produced", _num(batches.get("produced"))), ("acked", _num(batches.get("acked"))),
               ("pending", _num(status.get("pending"))), ("quarantined", _num(batches.get("quarantined")))),
@@ -198,7 +181,7 @@ def host_progress(cluster: Any) -> str:
                       for h in hosts if isinstance(h, dict))
 
 
-def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: str) -> Panel:
+def trainer_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
     if status is None:
         return _down("trainer", endpoint)
     last_eval = status.get("eval") if isinstance(status.get("eval"), dict) else {}
@@ -207,7 +190,7 @@ def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: s
     rows = [
         _line(("step", _num(status.get("step"))), ("epoch", _num(status.get("epoch"))),
               ("samples", f"{_num(status.get('samples_trained'))}/{_num(status.get('epoch_samples'))}"),
-              ("rate", f"{_num(rate)} tok/s")),
+              ("rate", f"{_num(status.get('tokens_per_s'))} tok/s")),
         _line(("loss", _num(status.get("loss"), "{:.4f}")),
               ("tau", _num(status.get("implied_acceptance_length"), "{:.2f}")),
               ("eval tau", f"{_num(last_eval.get('tau'), '{:.2f}')} (step {_num(last_eval.get('step'))})"
@@ -222,12 +205,13 @@ def trainer_panel(status: dict[str, Any] | None, rate: float | None, endpoint: s
 
 
 class TopView:
-    """Polls both services' status and renders one frame: a header, then one panel per service."""
+    """Polls both services' status and renders one frame: a header, then one panel per service.
+    Every number is the service's own (its rates too: `common.metrics.TokenRate`), so the view,
+    `ctl`, the demo and the Prometheus gauges agree."""
 
     def __init__(self, target_endpoint: str, trainer_endpoint: str, curve: CurveKeys | None = None) -> None:
         self.target_endpoint, self.trainer_endpoint = target_endpoint, trainer_endpoint
         self.curve = curve
-        self.rates = TokenRate()
 
     def poll(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         return (try_status(self.target_endpoint, curve=self.curve),
@@ -236,18 +220,10 @@ class TopView:
     def frame(self, target: dict[str, Any] | None, trainer: dict[str, Any] | None,
               now: float | None = None) -> Group:
         now = time.time() if now is None else now
-        target_avg = None
-        if target is not None and isinstance(target.get("tokens"), (int, float)) \
-                and isinstance(target.get("uptime_s"), (int, float)) and target["uptime_s"] > 0:
-            target_avg = target["tokens"] / target["uptime_s"]
-        target_rate = self.rates.update("target", (target or {}).get("tokens"), now, target_avg)
-        trainer_avg = (trainer or {}).get("tokens_per_s")
-        trainer_rate = self.rates.update("trainer", (trainer or {}).get("tokens"), now,
-                                         trainer_avg if isinstance(trainer_avg, (int, float)) else None)
         header = Text(f"dfpipe top  {time.strftime('%H:%M:%S', time.localtime(now))}   Ctrl-C quits",
                       style="dim", no_wrap=True, overflow="ellipsis")
-        return Group(header, target_panel(target, target_rate, self.target_endpoint),
-                     trainer_panel(trainer, trainer_rate, self.trainer_endpoint))
+        return Group(header, target_panel(target, self.target_endpoint),
+                     trainer_panel(trainer, self.trainer_endpoint))
 
 
 def top(cfg: Config, interval: float = 1.0, iterations: int = 0, once: bool = False) -> int:

@@ -518,7 +518,7 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision,
             heldout=os.path.abspath(heldout_path) if heldout_path else "", eval_every=eval_every if heldout_path else 0))
     try:
-        rc = run_demo(config)
+        rc = run_demo(config, fresh=True)   # a whole training, never one continued
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     if rc != 0:

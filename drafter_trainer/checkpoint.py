@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 PREFIX = "step-"
 CHECKPOINT_NAME = re.compile(r"step-\d{8}")
 BAD_MARK = ".bad-"
+FINISHED = "end of training"   # the `reason` in the meta of the checkpoint a trainer writes when its epochs are done
+
 LOCK_NAME = "trainer.lock"
 FORMAT = 2                      # 2: with samples.npz and a manifest; checkpoints before it had neither
 MANIFEST = "manifest.json"
@@ -817,3 +819,9 @@ def inspect_run(out_dir: str) -> dict[str, Any]:
     out["checkpoints"] += [{"name": os.path.basename(p), "verified": "moved aside: failed "
                             + os.path.basename(p).split(BAD_MARK, 1)[1]} for p in list_moved_aside(out_dir)]
     return out
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    """The newest checkpoint folder of a run that verifies; None when none does."""
+    return inspect_run(out_dir).get("path")
+

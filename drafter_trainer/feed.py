@@ -45,7 +45,7 @@ from common.config import Config
 from common.liveness import process_start_time
 from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError, Reply,
                              Welcome, check_plan, next_rid)
-from common.ring import ConsumerRing, RingError, StaleSlot
+from common.ring import ConsumerRing, ProducerRing, RingError, StaleSlot
 from common.seqset import SeqSet
 
 log = logging.getLogger(__name__)
@@ -131,9 +131,19 @@ class RingFeed:
             if now >= next_log:
                 next_log = now + WAIT_LOG_S
                 log.info("rank %d: waiting %.0fs for the target server at %s: %s", self.rank, now - started,
-                         self.cfg.service.target_endpoint,
-                         f"it answered: {self.error}" if self.error else "no answer yet (is it running?)")
+                         self.cfg.service.target_endpoint, self.waiting_for())
         return self.welcome
+
+    def waiting_for(self) -> str:
+        """What this rank waits for, in a line: a target server that runs (its last refusal, e.g.
+        still loading), or that none runs. A server holds its rings' producer role from its start
+        to its exit, so a role nobody holds is a server that exited (or never started), whatever
+        it answered last."""
+        r = self.cfg.ring
+        if not ProducerRing.role_held(r.shm_dir, r.name, 0):
+            return (f"no target server is running for ring {r.name!r} (none was started, or it exited: its "
+                    f"console says why); start one with `dfpipe target-server -c CONFIG`")
+        return f"it answered: {self.error}" if self.error else "no answer yet"
 
     def get(self, timeout: float) -> PackedBatch | EpochEndMarker | None:
         try:

@@ -49,14 +49,14 @@ from common.channel import CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
-from common.config import Config, ConfigError, default_gamma, default_layer_ids
+from common.config import Config, ConfigError, check_devices, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
-from common.metrics import StageTimes, start_metrics_server
+from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir, plan_changes,
+from .checkpoint import (FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir, plan_changes,
                          resume_checkpoint, sample_stats, sweep_partial)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
@@ -229,6 +229,7 @@ class Agreement:
     checkpoint: bool         # requested (ctl checkpoint) or a drain
     everyone_ended: bool     # every rank has seen the end of every epoch
     trained_total: int       # batches held by all ranks together: the schedule's progress
+    step_tokens: int         # tokens of this step's batches, all ranks together
 
 
 WELCOME_GRACE_S = 0.5  # a warm target's WELCOME is in by the end of the drafter build; later means it is starting
@@ -239,6 +240,10 @@ PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop,
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if cfg.train.devices:   # the placement; train.device is then not read
+            check_devices("train.devices", cfg.train.devices)
+        else:
+            check_devices("train.device", cfg.train.device)
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
         self.flags = TrainerFlags()
@@ -264,10 +269,10 @@ class Trainer:
         self.last_checkpoint = ""
         self.last_checkpoint_batches = 0             # batches the last good checkpoint holds
         self.acc_per_pos: list[float] = []
-        self.tokens = 0
+        self.tokens = 0                             # trained by all ranks together
+        self.rate = TokenRate()                     # of `tokens`: status, metrics records, top, the demo
         self.anchors = 0                            # blocks supervised by this process's steps
         self.target_dir = ""                        # the target server's model folder (WELCOME)
-        self.t_start = time.time()
         self.epoch_samples = 0
         self.total_batches = 1
         self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
@@ -286,7 +291,6 @@ class Trainer:
     # status is read by the control thread: only plain values
     def status(self) -> dict[str, Any]:
         stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples)
-        elapsed = max(1e-9, time.time() - self.t_start)
         feed = self.feed
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
@@ -297,11 +301,12 @@ class Trainer:
                 "last_checkpoint_error": self.last_checkpoint_error,
                 "metrics_lines_lost": self.metrics.lines_lost if self.metrics else 0, "tokens": self.tokens,
                 "anchors_per_batch": round(self.anchors / max(1, len(self.trained) - self.resumed_batches), 1),
-                "tokens_per_s": round(self.tokens / elapsed, 2),
+                "tokens_per_s": self.rate.per_s(time.monotonic()),
                 "implied_acceptance_length": (implied_acceptance_length(torch.tensor(self.acc_per_pos))
                                               if self.acc_per_pos else None),
                 "acceptance_per_position": [round(a, 4) for a in self.acc_per_pos],
-                "feed": {"state": feed.state, **feed.counters} if feed else None,
+                "feed": {"state": feed.state, **feed.counters,
+                         **({"waiting_for": feed.waiting_for()} if feed.state != "streaming" else {})} if feed else None,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
@@ -574,13 +579,12 @@ class Trainer:
         anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.cfg.drafter.max_anchors, gen)
         return build_blocks(batch, anchors.to(self.device), self.cfg.drafter.block_size, self.mask_id, self.gamma)
 
-    def _record(self, batch, out, lr: float, step_s: float, wait_s: float) -> None:
+    def _record(self, batch, out, lr: float, step_s: float, wait_s: float, step_tokens: int) -> None:
         self.trained.add(batch.seq)
         ids = batch.sample_ids.cpu().numpy().astype(np.int64)
         self.trained_samples.setdefault(batch.epoch, []).append(ids)
         self.sample_seqs.setdefault(batch.epoch, []).append(np.full(len(ids), batch.seq, np.int64))
         self.epoch = max(self.epoch, batch.epoch)
-        self.tokens += batch.num_tokens
         if out is None:
             return
         self.anchors += out.num_anchors
@@ -590,7 +594,7 @@ class Trainer:
         if self.ranks.rank == 0 and self.step % max(1, self.cfg.train.log_every) == 0:
             tau = implied_acceptance_length(torch.tensor(self.acc_per_pos))
             rec = {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr, "tau": tau,
-                   "tokens_per_s": batch.num_tokens * self.ranks.world / max(step_s, 1e-9),
+                   "tokens_per_s": self.rate.per_s(time.monotonic()), "step_tokens": step_tokens,
                    "anchors": out.num_anchors, "step_s": step_s, "wait_s": wait_s, "time": time.time()}
             log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
                      self.last_loss, lr, tau, rec["tokens_per_s"])
@@ -618,6 +622,8 @@ class Trainer:
                     return rc
                 continue
             self.state = "training"
+            if "first_step_s" not in self.startup:   # the rate counts from the first batch, not the start-up
+                self.rate.mark(time.monotonic(), self.tokens)
 
             # anchors -> blocks -> the step (loss and backward chunk by chunk, all-reduce, clip, AdamW)
             blocks = (self._blocks(batch, anchor_seed(cfg.train.seed, batch.epoch, batch.seq))
@@ -630,8 +636,10 @@ class Trainer:
             if "first_step_s" not in self.startup:
                 self._first_step_done(loop_start, batch_at)
                 self._compile_now()          # after the first step: it ran with no compile thread beside it
+            self.tokens += agreed.step_tokens
+            self.rate.mark(time.monotonic(), self.tokens)
             if batch is not None:
-                self._record(batch, result.out, lr, time.perf_counter() - t0, batch_at - t0)
+                self._record(batch, result.out, lr, time.perf_counter() - t0, batch_at - t0, agreed.step_tokens)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.ranks.rank == 0:
                 self._eval_and_report()
             rc = self._after_step(agreed)
@@ -647,17 +655,18 @@ class Trainer:
         by_host[self.cfg.cluster.host_rank] = since
         sync = self.ranks.sum_(torch.tensor([batch is not None, self.flags.stop,
                                              self.flags.checkpoint or self.flags.drain, all_ended,
-                                             since, *by_host], dtype=torch.float64))
-        self.trained_by_host = [r + int(n) for r, n in zip(self.resumed_by_host, sync[5:].tolist())]
+                                             since, batch.num_tokens if batch is not None else 0, *by_host],
+                                            dtype=torch.float64))
+        self.trained_by_host = [r + int(n) for r, n in zip(self.resumed_by_host, sync[6:].tolist())]
         return Agreement(ranks_with_batch=int(sync[0]), stop=bool(sync[1]), checkpoint=bool(sync[2]),
                          everyone_ended=int(sync[3]) == self.ranks.world,
-                         trained_total=self.resumed_batches + int(sync[4]))
+                         trained_total=self.resumed_batches + int(sync[4]), step_tokens=int(sync[5]))
 
     def _idle(self, agreed: "Agreement") -> int | None:
         """No rank has a batch: finish, stop, checkpoint (drain) or wait; an exit status to end with."""
         if agreed.everyone_ended:
             self.state = "finished"
-            return self._finish("end of training")
+            return self._finish(FINISHED)
         if agreed.stop:
             return self._finish(self.flags.reason or "stop requested")
         if agreed.checkpoint:

@@ -33,14 +33,15 @@ from typing import Any
 import zmq
 
 from common.channel import CurveKeys, RouterChannel
-from common.config import Config
+from common.config import Config, ConfigError, check_devices
 from common.liveness import LockHeld, RoleLock, pid_alive
-from common.metrics import StageTimes, start_metrics_server
+from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
                              next_rid)
 from common.ring import ProducerRing, SlotState
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
+from .tiny import BUILTIN_PREFIX, model_folder_problem
 from .worker import TargetWorker
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class TargetServer:
         self.state = "loading"
         self.started = time.time()
         self.stages = StageTimes()
+        self.rate = TokenRate()   # of the tokens produced: status tokens_per_s (top, ctl)
         self.dispatcher = Dispatcher()
         self.core: DeliveryCore | None = None   # made once the data plan is known (start)
         self._stop = False
@@ -131,8 +133,20 @@ class TargetServer:
                                    f"server per ring.name: stop that one, or give this one another "
                                    f"ring.name") from None
 
+    def _check_config(self) -> None:
+        """Mistakes the config alone shows, before anything is taken or loaded: devices this host
+        has, and a target folder that exists (data preparation would otherwise fail first, with
+        advice about the tokenizer)."""
+        t = self.cfg.target
+        check_devices("target.devices", t.devices)
+        if not t.model.startswith(BUILTIN_PREFIX):
+            problem = model_folder_problem(self.cfg.resolve(t.model))
+            if problem:
+                raise ConfigError(f"target.model: {problem}")
+
     def start(self) -> None:
         t = self.cfg.target
+        self._check_config()
         self._take_ring_roles()
         if t.triton_cache_dir:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))
@@ -187,6 +201,7 @@ class TargetServer:
                         "corrupt_slots": events.get("corrupt_slots", 0),
                         "corrupt_payloads": events.get("corrupt_payloads", 0)},
             "tokens": sum(w.tokens for w in self.workers),
+            "tokens_per_s": self.rate.per_s(time.monotonic()),
             "epoch_sizes": core.plan.sizes if core else [],
             "cluster": {"num_hosts": self.cfg.cluster.num_hosts, "host_rank": self.cfg.cluster.host_rank,
                         "shard_sizes": [len(core.plan.shard(e)) for e in range(len(core.plan.sizes))] if core else []},
@@ -271,6 +286,7 @@ class TargetServer:
             self.state = "draining"
         elif msg.cmd == "shutdown":
             self._stop = True
+            self.state = "stopping"   # what the reply says: the loop stops before it serves again
         elif msg.cmd == "checkpoint":
             ok, error = False, "the target server keeps no durable state; checkpoint the trainer (dfpipe ctl trainer checkpoint)"
         result.setdefault("state", self.state)
@@ -284,6 +300,8 @@ class TargetServer:
     # ---- main loop -----------------------------------------------------------------------------
     def _check_workers(self) -> None:
         for w in self.workers:
+            if isinstance(w.error, ConfigError):
+                raise w.error   # its message names the key that fixes it
             if w.error is not None:
                 raise RuntimeError(f"target worker {w.worker} on {w.device} failed: {w.error!r}") from w.error
         if self.state in ("loading", "warming"):
@@ -332,6 +350,7 @@ class TargetServer:
                     for w in self.workers:
                         if w.ring is not None:
                             w.ring.heartbeat()
+                    self.rate.mark(now, sum(w.tokens for w in self.workers))
                     self._apply([Scan()])
                     if self.state == "draining" and self.dispatcher.idle() and (
                             self.core.session is None or not any(v.ready and not v.acked for v in self.snapshot(reclaim=False))):
@@ -386,6 +405,8 @@ def main(cfg: Config) -> int:
     server = TargetServer(cfg)
     try:
         return server.run()
+    except ConfigError:
+        raise   # the command line prints it as one line (exit status 2)
     except Exception as e:
         log.error("target server failed: %s", e)
         return 1

@@ -108,6 +108,18 @@ def _tokenizer_digest(tokenizer_dir: str | None) -> str:
     return h.hexdigest()
 
 
+def model_folder_problem(path: str) -> str:
+    """What keeps `path` from being a Hugging Face model folder, in words ("" when it has a config.json)."""
+    if not os.path.exists(path):
+        return f"no such folder {path}"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a model folder"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return (f"{path} has no config.json (a Hugging Face model folder holds config.json, the *.safetensors "
+                f"weights and the tokenizer files)")
+    return ""
+
+
 def resolve_target(spec: str, cache_dir: str, tokenizer_dir: str | None = None, **build_kwargs: Any) -> str:
     """A loadable model folder for `spec`: a local HF folder as is, or `builtin:tiny-<arch>` built once.
 
@@ -115,9 +127,10 @@ def resolve_target(spec: str, cache_dir: str, tokenizer_dir: str | None = None, 
     afterwards; `build_kwargs` (vocab_size, hidden_size, num_layers, seed) override the defaults.
     """
     if not spec.startswith(BUILTIN_PREFIX):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise FileNotFoundError(f"target {spec!r} is neither builtin:tiny-qwen3.5 / builtin:tiny-qwen3 "
-                                    f"nor a model folder with a config.json")
+        problem = model_folder_problem(spec)
+        if problem:
+            raise FileNotFoundError(f"target {problem} (a target is a model folder, or builtin:tiny-qwen3.5 / "
+                                    f"builtin:tiny-qwen3)")
         return spec
     name = spec[len(BUILTIN_PREFIX):]
     arch = name.removeprefix("tiny-")

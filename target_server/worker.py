@@ -30,6 +30,7 @@ import torch
 
 from common.batch import TOKEN_TENSORS, slot_tensor_specs
 from common.checksum import META_KEY, as_meta, payload_checksums, tensor_checksum
+from common.config import ConfigError
 from common.metrics import StageTimes
 from common.liveness import RoleLock
 from common.ring import ProducerRing, slot_bytes
@@ -159,7 +160,8 @@ class TargetWorker(threading.Thread):
             else:
                 self._serve_cpu()
         except BaseException as e:  # the main thread reports it and exits non-zero
-            log.exception("target worker %d failed", self.worker)
+            if not isinstance(e, ConfigError):   # a config mistake is the main thread's one line, no traceback
+                log.exception("target worker %d failed", self.worker)
             self.error = e
             self.state = "failed"
             self.ready.set()

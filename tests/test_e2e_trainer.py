@@ -216,10 +216,12 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
         target.stop()
 
 
-def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
+def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path, ring_name: str) -> None:
     out = tmp_path / "demo-run"
     sockets = tmp_path / "s"   # not the demo's /tmp/dfpipe-demo: another user's run may own that folder (0700)
+    # nor its ring: another demo on this host holds ring dfpipe-demo (the demo would say so and stop)
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
+                          "--set", f"ring.name={ring_name}",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -230,4 +232,4 @@ def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: 
     assert (out / "demo.png").stat().st_size > 10_000
     assert (out / "export" / "config.json").exists() and (out / "export" / "model.safetensors").exists()
     assert glob.glob(str(out / "tensorboard" / "events.out.tfevents.*"))
-    assert not glob.glob("/dev/shm/dfpipe-demo.*")
+    assert not glob.glob(f"/dev/shm/{ring_name}.*")

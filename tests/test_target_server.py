@@ -284,6 +284,9 @@ def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) ->
     assert frame.returncode == 0 and len(lines) <= 24 and max(map(len, lines)) <= 80, frame.stdout + frame.stderr
     assert "target server serving" in frame.stdout and "ring slots ready" in frame.stdout
     assert "trainer not answering" in frame.stdout
+    down = run("ctl", "target", "shutdown", "-c", str(config))    # the answer says what happens next
+    assert down.returncode == 0 and "state: stopping" in down.stdout, down.stdout + down.stderr
+    assert server.wait(60) == 0
 
 
 def _free_port() -> int:

@@ -11,7 +11,8 @@ import io
 import pytest
 from rich.console import Console
 
-from dfpipe.ctl import TOP_HEIGHT, TOP_WIDTH, TopView, TokenRate, uncommitted_batches
+from common.metrics import TokenRate
+from dfpipe.ctl import TOP_HEIGHT, TOP_WIDTH, TopView, uncommitted_batches
 
 TARGET_EP, TRAINER_EP = "ipc:///tmp/dfpt/target.sock", "ipc:///tmp/dfpt/trainer.sock"
 
@@ -26,7 +27,7 @@ def target_status() -> dict:
                   "slots": {"FREE": 2, "WRITING": 0, "READY": 1}}],
         "consumer_epoch": 3,
         "batches": {"produced": 57, "acked": 41, "redelivered": 2, "recomputed": 1, "quarantined": 0, "discarded": 0},
-        "tokens": 25_000, "epoch_sizes": [60], "pending": 9, "computing": 2,
+        "tokens": 25_000, "tokens_per_s": 200.0, "epoch_sizes": [60], "pending": 9, "computing": 2,
         "heldout": {"batches": 4, "produced": 4, "announced": 4, "acked": 2, "discarded": 0, "quarantined": 0,
                     "pending": 0},
         "session": {"job": "run-1", "ranks": [0, 1], "epochs": 1, "have": 12, "delivered": 33, "committed": 30,
@@ -69,7 +70,7 @@ def test_a_frame_of_both_services_fits_80x24_and_shows_what_matters() -> None:
     text = "\n".join(lines)
     target, trainer = text.split("trainer training")   # the trainer's panel title, below the target's
     assert "target server serving" in target
-    assert "rate 200 tok/s" in target                     # 25,000 tokens over 125 s, the first frame
+    assert "rate 200 tok/s" in target
     assert "ring slots ready 2   writing 1   free 3" in target
     assert "uncommitted batches 15" in target             # 33 delivered, the commit took 30 - 12 of them
     assert "in flight 5" in target and "last commit step 18" in target
@@ -98,17 +99,29 @@ def test_a_multi_host_trainer_shows_each_hosts_shard_and_one_host_shows_none() -
     assert "batches per host -: -/-   2: 1/-" in text
 
 
-def test_rates_are_measured_between_two_refreshes() -> None:
+def test_every_frame_shows_the_services_own_rates_also_when_no_step_ended_between_two() -> None:
     view = TopView(TARGET_EP, TRAINER_EP)
-    render(target_status(), trainer_status(), view, now=1000.0)
-    target, trainer = target_status(), trainer_status()
-    target["tokens"] += 3_000
-    trainer["tokens"] += 1_000
-    text = "\n".join(render(target, trainer, view, now=1002.0))
-    assert "rate 1,500 tok/s" in text and "rate 500 tok/s" in text
-    rate = TokenRate()
-    assert rate.update("target", 100, 1.0, 7.0) == 7.0                 # first look: the service's average
-    assert rate.update("target", 50, 2.0, 3.0) == 3.0                  # fewer tokens: it restarted
+    for now in (1000.0, 1001.0, 1002.0):   # a slow step: the token counts stay put between refreshes
+        target, trainer = "\n".join(render(target_status(), trainer_status(), view, now=now)).split("trainer training")
+        assert "rate 200 tok/s" in target and "rate 660 tok/s" in trainer, now
+    starting = trainer_status()
+    starting["tokens_per_s"] = None        # before the first step
+    assert "rate - tok/s" in "\n".join(render(target_status(), starting, view)).split("trainer training")[1]
+
+
+def test_a_services_rate_is_over_its_last_window_and_drops_to_zero_when_it_stalls() -> None:
+    rate = TokenRate(window_s=10.0)
+    assert rate.per_s(0.0) is None                     # no step yet
+    rate.mark(0.0, 0)                                  # the first batch arrives
+    for step in range(1, 31):                          # a step of 100 tokens every 2 s
+        rate.mark(2.0 * step, 100 * step)
+    assert rate.per_s(60.0) == 50.0
+    assert rate.per_s(69.0) == 50.0                    # between two step ends: the same rate, not 0
+    rate.mark(62.0, 4_000)                             # a step of 1,000 tokens: 1,400 over the last 10 s
+    assert rate.per_s(62.0) == 140.0
+    assert rate.per_s(72.5) == 0.0                     # no step for a whole window: stalled
+    rate.mark(80.0, 10)                                # the count went back (a new accounting): anew
+    assert rate.per_s(80.0) is None
 
 
 def test_with_both_services_down_the_frame_says_so_and_the_view_keeps_going() -> None:

@@ -172,7 +172,7 @@ def test_a_trainer_waiting_for_its_target_says_so_and_stops_when_told(how: str, 
     try:
         wait_for(lambda: "waiting" in trainer.log() and "for the target server at" in trainer.log(), 120,
                  "the waiting trainer's log line")
-        assert "no answer yet (is it running?)" in trainer.log()
+        assert f"no target server is running for ring {cfg['ring']['name']!r}" in trainer.log()
         if how == "SIGTERM":
             trainer.signal(signal.SIGTERM)
         else:

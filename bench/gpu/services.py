@@ -18,7 +18,7 @@ switch (status `compile.at_step`) and p6_skip_steps more. Step times compared ac
 are medians without the wait for a batch (metrics `step_s - wait_s`).
 
 First-step times come from the trainer's own metrics.jsonl (`time` of the step-1 record, wall
-clock), tokens per step from its `tokens_per_s * step_s`. Children run in their own sessions so a
+clock), tokens per step from its `step_tokens`. Children run in their own sessions so a
 timeout signal to this part reaches them only through its handlers; their pids go to a pid file
 that run_all.sh's cleanup reads.
 """
@@ -217,7 +217,7 @@ def wait_metrics(children: Children, name: str, path: str, enough: Callable[[lis
 
 
 def step_tokens(row: dict[str, Any]) -> float:
-    return float(row["tokens_per_s"]) * float(row["step_s"])
+    return float(row["step_tokens"])
 
 
 def together_rate(rows: list[dict[str, Any]], skip: int) -> tuple[float, float, int]:
