@@ -179,7 +179,7 @@ def fp8_matmul_unavailable(device: torch.device) -> str | None:
 def precision(quantized: bool, fp8_matmul: bool, dtype: torch.dtype) -> str:
     """The name a target's precision goes by (module docstring): fp8-block, fp8-block-dequantized-<dtype>,
     or the compute dtype of an unquantized target."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
     if not quantized:
         return name
     return FP8_PRECISION if fp8_matmul else f"{FP8_PRECISION}-dequantized-{name}"
