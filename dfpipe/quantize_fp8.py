@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import tempfile
-import uuid
 from typing import Any
 
 from target_server import fp8
@@ -33,7 +32,7 @@ class QuantizeError(ValueError):
     """A source this command cannot quantize, or an OUT it must not overwrite."""
 
 
-def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) -> dict[str, Any]:
+def quantize_checkpoint(src: str, out: str) -> dict[str, Any]:
     """Write the block-wise FP8 checkpoint of the model folder `src` to `out`; what was quantized."""
     from safetensors.torch import load_file, save_file
 
@@ -44,7 +43,7 @@ def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) 
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise QuantizeError(f"{src}: no readable config.json ({e})") from None
-    if fp8.read_format(config) is not None or "quantization_config" in config:
+    if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise QuantizeError(f"{src} is already quantized (config.json has a quantization_config)")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise QuantizeError(f"{out} exists and is not an empty folder: choose another --out")
@@ -54,7 +53,7 @@ def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) 
         raise QuantizeError(str(e)) from None
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-{uuid.uuid4().hex[:6]}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=parent)
     quantized: list[str] = []
     kept: list[str] = []
     weight_map: dict[str, str] = {}
@@ -65,7 +64,7 @@ def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) 
             shard: dict[str, Any] = {}
             for name, t in tensors.items():
                 if fp8.should_quantize(name, t):
-                    shard[name], shard[name + fp8.SCALE_SUFFIX] = fp8.quantize_weight(t, block)
+                    shard[name], shard[name + fp8.SCALE_SUFFIX] = fp8.quantize_weight(t)
                     quantized.append(name)
                 else:
                     shard[name] = t.contiguous()
@@ -82,7 +81,7 @@ def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) 
             with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
                           indent=2)
-        config["quantization_config"] = fp8.quantization_config(block, sorted(kept))
+        config["quantization_config"] = fp8.quantization_config(fp8.BLOCK, sorted(kept))
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         written = {os.path.basename(p) for p in files} | {INDEX, "config.json"}
@@ -99,7 +98,7 @@ def quantize_checkpoint(src: str, out: str, block: tuple[int, int] = fp8.BLOCK) 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out": out, "quantized": len(quantized), "kept": len(kept), "block": list(block), "bytes": total}
+    return {"out": out, "quantized": len(quantized), "kept": len(kept), "block": list(fp8.BLOCK), "bytes": total}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -116,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
                 report = quantize_checkpoint(build_tiny_target(built, arch=arch), args.out)
         else:
             report = quantize_checkpoint(args.model, args.out)
-    except (QuantizeError, fp8.Fp8FormatError) as e:
+    except QuantizeError as e:
         print(f"dfpipe quantize-fp8: {e}", file=sys.stderr)
         return 2
     bn, bk = report["block"]

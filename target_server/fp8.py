@@ -23,19 +23,20 @@ checkpoint, export, `dfpipe eval`):
     fp8-block                       CUDA on Hopper or newer (compute capability >= 9.0) with Triton:
                                     each quantized Linear is a `BlockFp8Linear`: its input quantized
                                     as the serving engines do (`quantize_activations`), e4m3 x e4m3
-                                    products summed in fp32 per block and scaled (`block_fp8_matmul`)
+                                    products summed per 128-column group on the tensor cores, the
+                                    groups' scaled sums added in fp32 (`block_fp8_matmul`)
     fp8-block-dequantized-<dtype>   elsewhere (the CPU, older GPUs): the weights dequantized to the
                                     compute dtype at load; the math of the FP8 model's weights with
                                     unquantized activations
     bf16 | fp16 | fp32              an unquantized checkpoint, in that compute dtype
 
-Why not transformers' own FP8Linear: in transformers 5.17 to 5.24 its matmul is a kernel the
+Why not transformers' own FP8 support: in transformers 5.17 to 5.24 its matmul is a kernel the
 `kernels` package downloads from the Hugging Face hub at the first forward, and the GPU host has
-no network. The two Triton kernels here are all the FP8 path needs.
+no network; its dequantization reads the block size off the scale grid, wrong for a partial
+block. The two Triton kernels here are all the FP8 path needs.
 """
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -44,8 +45,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)         # 448
@@ -310,7 +309,9 @@ def _build_kernels() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The token count M is not specialized on (Triton would compile another variant whenever a
+    # packed row's length changes between a multiple of 16 and not).
+    @triton.jit(do_not_specialize=["M"])
     def quantize(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
                  GROUP: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -330,7 +331,7 @@ def _build_kernels() -> Any:
                for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4))]
 
     @triton.autotune(configs=configs, key=["N", "K"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def matmul(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_a, stride_as, stride_w, stride_ws, stride_y,
                GROUP_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                GROUP_M: tl.constexpr):
