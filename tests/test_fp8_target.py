@@ -21,6 +21,7 @@ import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (bind HF's ke
 from safetensors.torch import load_file, save_file
 
 from common.batch import document_positions
+from common.config import TargetConfig
 from dfpipe.cli import main as dfpipe_main
 from dfpipe.quantize_fp8 import quantize_checkpoint
 from target_server import fp8
@@ -254,6 +255,11 @@ def test_fp8_target_on_cuda_captures_its_dequantized_model_within_fp8_activation
         rel = float((captured[plane] - reference[plane]).norm() / reference[plane].norm())
         # four quantized matmuls per layer along a value's path: the mixer's two, the MLP's two
         assert 0 < rel <= fp8_activation_rtol(4 * (layer + 1)), (layer, rel)
+    # the server's audit (a document alone through transformers' forward against its packed planes)
+    # passes with FP8 matmuls at its default tolerance
+    alone = runner.capture_unpacked(batch[0][7:37]).float()
+    err = float((alone - captured[:, 7:37]).abs().max() / alone.abs().max())
+    assert err <= TargetConfig().audit_tolerance, err
 
 
 @fp8_cuda_only
