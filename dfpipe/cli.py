@@ -128,6 +128,11 @@ def cmd_make_toy_target(args: argparse.Namespace) -> int:
     return toy_main(args)
 
 
+def cmd_quantize_fp8(args: argparse.Namespace) -> int:
+    from .quantize_fp8 import main as quantize_main
+    return quantize_main(args)
+
+
 def _quiet_fla_on_cpu() -> None:
     """On a machine without CUDA, keep FLA/causal-conv1d out so transformers runs its torch path."""
     try:
@@ -222,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("quantize-fp8", help="write a model's block-wise FP8 checkpoint (e4m3 weights, 128x128 "
+                                            "scales), the format of the published FP8 models")
+    p.add_argument("--model", required=True, help="model folder, or builtin:tiny-qwen3.5 / builtin:tiny-qwen3")
+    p.add_argument("--out", required=True, help="new folder for the FP8 checkpoint")
+    p.set_defaults(fn=cmd_quantize_fp8)
 
     p = sub.add_parser("make-toy-target", help="train a tiny Qwen3.5 LM on a structured corpus (a target worth drafting for)")
     p.add_argument("--out", required=True)

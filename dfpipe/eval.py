@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
+from target_server import fp8
+
 log = logging.getLogger(__name__)
 
 IM_END = "<|im_end|>"
@@ -58,10 +60,12 @@ class TargetModel:
     features [k, n, H] or None); plane i is the output of decoder layer layer_ids[i].
     """
 
-    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int] = (), precision: str = "") -> None:
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = [int(i) for i in layer_ids]
         self.device = next(model.parameters()).device
+        # how the target runs (target_server.fp8): fp8-block, fp8-block-dequantized-<dtype>, or its dtype
+        self.precision = precision or fp8.precision(False, False, model.get_input_embeddings().weight.dtype)
         layers = self._decoder_layers()
         if any(not 0 <= i < len(layers) for i in self.layer_ids):
             raise EvalError(f"captured layers {self.layer_ids} outside the target's {len(layers)} decoder layers")
@@ -84,15 +88,40 @@ class TargetModel:
     @classmethod
     def load(cls, path: str, device: torch.device, layer_ids: Sequence[int] = (),
              dtype: torch.dtype | None = None) -> "TargetModel":
-        """from_pretrained onto device; dtype default: fp32 on CPU, the checkpoint's own on CUDA."""
-        from transformers import AutoModelForCausalLM
+        """from_pretrained onto device; dtype default: fp32 on CPU, the checkpoint's own on CUDA.
+
+        A block-wise FP8 target runs as the target server runs it (target_server.fp8): FP8 matmuls
+        where the device has them, its weights dequantized elsewhere. transformers' own FP8 support
+        is not used: its matmul is a kernel fetched from the hub at the first forward, and its
+        dequantization assumes whole 128 x 128 blocks (it reads the block size off the scale grid).
+        The model is loaded unquantized and its FP8 weights converted here (`load_fp8_weights`)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise EvalError(f"target {path!r} is not a model folder (no config.json)")
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                fmt = fp8.read_format(json.load(f))
+        except (ValueError, AttributeError) as e:    # not JSON, not an object, a quantization we cannot run
+            raise EvalError(f"target {path}: {e}") from None
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else "auto"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, layer_ids)
+        if fmt is None:
+            return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device), layer_ids)
+        config = AutoConfig.from_pretrained(path)
+        for c in (config, config.get_text_config()):
+            if hasattr(c, "quantization_config"):
+                del c.quantization_config
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()   # its load report would list every weight_scale_inv as unexpected
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).to(device)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        fp8_matmul = fp8.fp8_matmul_unavailable(device) is None
+        load_fp8_weights(model, path, fmt, fp8_matmul)
+        return cls(model, layer_ids, fp8.precision(True, fp8_matmul, model.get_input_embeddings().weight.dtype))
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,6 +131,46 @@ class TargetModel:
         if not self.layer_ids:
             return logits, None
         return logits, torch.stack([self._captured[p] for p in range(len(self.layer_ids))])
+
+
+def load_fp8_weights(model: torch.nn.Module, path: str, fmt: fp8.BlockFp8, fp8_matmul: bool) -> int:
+    """Each Linear of `model` whose weight the checkpoint at `path` holds in e4m3, rebuilt from that
+    weight and its block scales (`fp8.runnable`): what `from_pretrained` put there (the raw e4m3
+    values, unscaled) is replaced. Checkpoint and model names are matched the way the target server
+    matches them (target.WEIGHT_PREFIXES), so FP8 tensors of modules the model lacks (MTP, vision)
+    are left alone. Returns how many were rebuilt."""
+    from safetensors import safe_open
+
+    from target_server.target import WEIGHT_PREFIXES, checkpoint_files
+
+    def local(name: str) -> str:
+        return next(name[len(p):] for p in WEIGHT_PREFIXES if name.startswith(p))
+
+    params = {local(n): n for n, _ in model.named_parameters()}
+    device = next(model.parameters()).device
+    where: dict[str, str] = {}
+    e4m3: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                where[name] = file
+                if f.get_slice(name).get_dtype() == "F8_E4M3" and local(name) in params:
+                    e4m3.append(name)
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt", device=str(device)) as f:
+            return f.get_tensor(name)
+
+    for name in e4m3:
+        if name + fp8.SCALE_SUFFIX not in where:
+            raise EvalError(f"target {path}: {name} is e4m3 but the checkpoint has no {name}{fp8.SCALE_SUFFIX}")
+        module_name = params[local(name)].removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if type(module) is not torch.nn.Linear:
+            raise EvalError(f"target {path}: {name} is e4m3 but {module_name} is a {type(module).__name__}")
+        model.set_submodule(module_name, fp8.runnable(module, read(name), read(name + fp8.SCALE_SUFFIX), fmt.block,
+                                                      fp8_matmul))
+    return len(e4m3)
 
 
 def stop_token_ids(tokenizer: Any) -> set[int]:
@@ -317,6 +386,8 @@ class EvalReport:
     speculative_seconds: float
     greedy_seconds: float
     warnings: list[str] = field(default_factory=list)   # pairing doubts (check_pairing), also on stderr
+    target_precision: str = ""          # how the target ran here (target_server.fp8): fp8-block, bf16, ...
+    trained_precision: str = ""         # how it ran when the drafter was trained (its export's record; "": none)
 
 
 def summarize(accepted: list[int], block_size: int) -> tuple[float, list[float], list[int]]:
@@ -382,14 +453,15 @@ def evaluate(target: TargetModel, drafter: Any, prompts: Prompts, max_new_tokens
         prompts=len(prompts.token_ids), prompts_skipped=len(prompts.skipped), generated_tokens=generated,
         target_forwards=len(accepted), tau=tau, acceptance_per_position=per_position,
         accepted_histogram=histogram, lossless=not mismatches, mismatches=mismatches,
-        speculative_seconds=round(spec_s, 3), greedy_seconds=round(greedy_s, 3))
+        speculative_seconds=round(spec_s, 3), greedy_seconds=round(greedy_s, 3), target_precision=target.precision)
 
 
 def render(report: EvalReport) -> str:
     lines = [
         f"dfpipe eval: {report.prompts} prompts ({report.prompts_skipped} skipped), block size {report.block_size}, "
         f"device {report.device}",
-        f"  target  {report.target}",
+        f"  target  {report.target} ({report.target_precision}; the drafter was trained on "
+        f"{report.trained_precision or 'a precision its export does not record'})",
         f"  drafter {report.drafter}",
         f"tau {report.tau:.3f} tokens per target forward (bonus included): {report.generated_tokens} tokens, "
         f"{report.target_forwards} verify forwards",
@@ -473,6 +545,26 @@ def check_pairing(drafter_dir: str, target_dir: str) -> list[str]:
     return []
 
 
+def check_precision(drafter_dir: str, running: str) -> tuple[str, list[str]]:
+    """The target precision the drafter was trained on (its export's `dfpipe.target_precision`; ""
+    when it records none), and a warning when the target here runs in another: the drafter then
+    predicts features it never saw (an FP8 model's differ from its bf16 model's), and tau measures
+    that pairing, not the one it was trained for."""
+    from drafter_trainer.export import CONFIG_FILE, DFPIPE_KEY
+
+    try:
+        with open(os.path.join(drafter_dir, CONFIG_FILE), encoding="utf-8") as f:
+            recorded = json.load(f).get(DFPIPE_KEY)
+    except (OSError, ValueError, AttributeError):
+        return "", []
+    trained = str(recorded.get("target_precision") or "") if isinstance(recorded, dict) else ""
+    if not trained or trained == running:
+        return trained, []
+    return trained, [f"the drafter {drafter_dir} was trained on the target in {trained}, this eval runs it in "
+                     f"{running}: tau measures the drafter on features it was not trained on (evaluate on the "
+                     f"precision it was trained for, e.g. the FP8 checkpoint on a Hopper GPU for fp8-block)"]
+
+
 def load_models(target_dir: str, drafter_dir: str, device: torch.device, block_size: int = 0,
                 target_dtype: torch.dtype | None = None) -> tuple[TargetModel, Any]:
     """The drafter (with the target's embed_tokens/lm_head; block_size 0: as trained) and the target
@@ -513,6 +605,10 @@ def main(args: argparse.Namespace) -> int:
         for warning in warnings:
             print(f"dfpipe eval: WARNING: {warning}", file=sys.stderr)
         target, drafter = load_models(args.target, args.drafter, device, args.block_size)
+        trained_precision, precision_warnings = check_precision(args.drafter, target.precision)
+        for warning in precision_warnings:
+            print(f"dfpipe eval: WARNING: {warning}", file=sys.stderr)
+        warnings += precision_warnings
         from transformers import AutoTokenizer
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -527,6 +623,7 @@ def main(args: argparse.Namespace) -> int:
     report = evaluate(target, drafter, prompts, args.max_new_tokens, stop_token_ids(tokenizer),
                       target_name=args.target, drafter_name=args.drafter)
     report.warnings = warnings
+    report.trained_precision = trained_precision
     if args.json:
         print(json.dumps(asdict(report), indent=1))
     else:

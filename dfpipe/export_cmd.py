@@ -49,5 +49,6 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
             hint = "" if target_dir else " (the config's target; pass --target FOLDER for another)"
             raise SystemExit(f"dfpipe export: {e}{hint}") from None
         checked = target
-    export_drafter(model, out_dir, target_dir=checked)    # records the checked target for `dfpipe eval`
+    # records the checked target and the precision the target ran in for `dfpipe eval`
+    export_drafter(model, out_dir, target_dir=checked, target_precision=state.target_precision)
     return out_dir

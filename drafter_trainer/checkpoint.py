@@ -662,6 +662,7 @@ class TrainerState:
     rng: torch.Tensor | None = None               # torch's CPU generator state
     drafter_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     split_fc: bool = False
+    target_precision: str = ""                    # what the target ran in (fp8-block, bf16, ...; "": not recorded)
 
     def save(self, out_dir: str, keep: int, reason: str, epoch_samples: int, num_hosts: int = 1) -> tuple[str, dict]:
         """Write it atomically, with its manifest (save_checkpoint); its path and meta. OSError
@@ -674,6 +675,7 @@ class TrainerState:
         have = self.have.to_wire()
         meta = {"format": FORMAT, "step": self.step, "epoch": self.epoch, "have": have, "reason": reason,
                 "plan": self.plan, "config_hash": self.config_hash, "skipped_steps": self.skipped_steps,
+                "target_precision": self.target_precision,
                 "time": time.time(), **sample_stats(self.trained_samples, self.epoch, epoch_samples),
                 "epochs": epoch_stats(self.trained_samples), "epoch_sizes": sizes,
                 "cluster": cluster_accounting(count_by_host(self.have, sizes, num_hosts), sizes)}
@@ -712,7 +714,7 @@ class TrainerState:
                    skipped_steps=meta.get("skipped_steps", 0), plan=plan, epoch_sizes=meta.get("epoch_sizes"),
                    config_hash=meta.get("config_hash", ""), model=state["model"], optimizer=state.get("optimizer"),
                    rng=state.get("rng", {}).get("torch"), drafter_config=state.get("drafter_config", {}),
-                   split_fc=state.get("split_fc", False))
+                   split_fc=state.get("split_fc", False), target_precision=meta.get("target_precision", ""))
 
     def restore_weights(self, model: torch.nn.Module) -> None:
         """The checkpoint's trainable weights into `model` (its frozen target head stays), and its RNG."""

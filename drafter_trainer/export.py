@@ -5,7 +5,8 @@
                           layer_types, sliding_window, tie_word_embeddings false,
                           dflash_config {mask_token_id, target_layer_ids},
                           auto_map {AutoModel: modeling_dflash.DFlashDraftModel},
-                          dfpipe {target_config_sha256, target} when the target folder is known
+                          dfpipe {target_config_sha256, target} when the target folder is known,
+                          {target_precision} when the checkpoint records it
       modeling_dflash.py  the drafter for `AutoModel.from_pretrained(out_dir, trust_remote_code=True)`
                           (a copy of drafter_trainer/modeling_dflash.py: torch and transformers only)
       model.safetensors   fc.weight, hidden_norm.weight, norm.weight,
@@ -49,8 +50,10 @@ MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), MODEL
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
 DFPIPE_KEY = "dfpipe"
-# Written by whichever transformers saved the folder, not part of the model: left out of the fingerprint.
-WRITER_FIELDS = ("transformers_version", "_name_or_path")
+# Left out of the fingerprint: written by whichever transformers saved the folder, not part of the
+# model; and how its weights are stored (an FP8 checkpoint of a model is that model: the precision it
+# ran in is recorded and compared on its own, `target_precision`).
+NOT_FINGERPRINTED = ("transformers_version", "_name_or_path", "quantization_config")
 
 
 class ExportError(ValueError):
@@ -75,17 +78,19 @@ def read_target_config(target_dir: str) -> dict[str, Any]:
 
 
 def target_fingerprint(target_config: dict[str, Any]) -> str:
-    """sha256 of a target's config.json content (key order and the writer's version fields ignored)."""
-    content = {k: v for k, v in target_config.items() if k not in WRITER_FIELDS}
+    """sha256 of a target's config.json content (key order, the writer's version fields and the
+    quantization ignored)."""
+    content = {k: v for k, v in target_config.items() if k not in NOT_FINGERPRINTED}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16,
-                   target_dir: str | None = None) -> None:
+                   target_dir: str | None = None, target_precision: str = "") -> None:
     """Write model's trainable weights (cast to dtype) and config to out_dir, atomically.
 
     target_dir: the target folder the drafter was trained on; its config fingerprint and path are
     recorded under the config's `dfpipe` key (None: nothing recorded, `dfpipe eval` then warns).
+    target_precision: the precision the target ran in while it trained, recorded there too ("": none).
     """
     from safetensors.torch import save_file
 
@@ -97,9 +102,14 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     config = cfg.to_json_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["auto_map"] = dict(AUTO_MAP)
+    recorded: dict[str, str] = {}
     if target_dir is not None:
-        config[DFPIPE_KEY] = {"target_config_sha256": target_fingerprint(read_target_config(target_dir)),
-                              "target": os.path.abspath(target_dir)}
+        recorded.update(target_config_sha256=target_fingerprint(read_target_config(target_dir)),
+                        target=os.path.abspath(target_dir))
+    if target_precision:
+        recorded["target_precision"] = target_precision
+    if recorded:
+        config[DFPIPE_KEY] = recorded
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)

@@ -273,6 +273,7 @@ class Trainer:
         self.rate = TokenRate()                     # of `tokens`: status, metrics records, top, the demo
         self.anchors = 0                            # blocks supervised by this process's steps
         self.target_dir = ""                        # the target server's model folder (WELCOME)
+        self.target_precision = ""                  # how the target runs (WELCOME): fp8-block, bf16, ...
         self.epoch_samples = 0
         self.total_batches = 1
         self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
@@ -307,6 +308,7 @@ class Trainer:
                 "acceptance_per_position": [round(a, 4) for a in self.acc_per_pos],
                 "feed": {"state": feed.state, **feed.counters,
                          **({"waiting_for": feed.waiting_for()} if feed.state != "streaming" else {})} if feed else None,
+                "target_precision": self.target_precision,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
@@ -397,7 +399,8 @@ class Trainer:
             unattributed=self.unattributed, plan=self.plan,
             epoch_sizes=self.epoch_sizes, config_hash=self.cfg.hash("drafter"), model=trainable,
             optimizer=self.optimizer.state_dict(), rng=torch.get_rng_state(),
-            drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc)
+            drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc,
+            target_precision=self.target_precision)
         try:
             self.last_checkpoint, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
                                                     self.epoch_samples, self.hosts)
@@ -483,6 +486,12 @@ class Trainer:
         self.trained_by_host = list(self.resumed_by_host)
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
+        self.target_precision = str(welcome.target.get("precision") or "")   # and what precision it ran in
+        before = self.resumed.target_precision if self.resumed is not None else ""
+        if before and before != self.target_precision:
+            log.warning("%s was trained on a target in %s; the target server now runs %s: training goes on "
+                        "from its features, and the next checkpoints record %s", self.last_checkpoint, before,
+                        self.target_precision, self.target_precision)
 
     def _check_host(self, target: dict[str, Any]) -> None:
         """The server serves this host's shard (the same cluster.num_hosts and host_rank), and every
@@ -492,6 +501,7 @@ class Trainer:
         c = self.cfg.cluster
         served = (int(target.get("num_hosts", 1)), int(target.get("host_rank", 0)))
         mine = {"plan": self.plan["id"], "layer_ids": list(target.get("layer_ids", [])),
+                "precision": target.get("precision"),
                 "hidden_size": target.get("hidden_size"), "vocab_size": target.get("vocab_size")}
         others = self.ranks.gather_objects((c.host_rank, mine))
         if served != (c.num_hosts, c.host_rank):
@@ -789,10 +799,11 @@ class Trainer:
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
             try:
-                export_drafter(self.model, export_dir, target_dir=self.target_dir or None)
+                export_drafter(self.model, export_dir, target_dir=self.target_dir or None,
+                               target_precision=self.target_precision)
             except ExportError as e:   # the target's folder unreadable now: the weights still go out
                 log.warning("the export records no target (%s); `dfpipe export --target` adds it", e)
-                export_drafter(self.model, export_dir)
+                export_drafter(self.model, export_dir, target_precision=self.target_precision)
             log.info("exported drafter to %s", export_dir)
         log.info("trainer stopping (%s) at step %d", reason, self.step)
         return EXIT_OK

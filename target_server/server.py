@@ -192,6 +192,8 @@ class TargetServer:
             "state": self.state,
             "uptime_s": round(time.time() - self.started, 3),
             "model_loads": max((w.model_loads for w in self.workers), default=0),
+            # what WELCOME tells trainers: folder, layers, dtype, precision (fp8-block, bf16, ...); {} until serving
+            "target": dict(core.target) if core else {},
             "workers": len(self.workers),
             "ring": rings,
             "consumer_epoch": s.consumer_epoch if s else (core.next_consumer_epoch - 1 if core else 0),
@@ -312,6 +314,7 @@ class TargetServer:
                 self.core.target = {"model_path": r.model_path, "hidden_size": r.hidden_size,
                                     "num_layers": r.num_layers, "layer_ids": list(r.layer_ids),
                                     "vocab_size": r.vocab_size, "dtype": str(r.dtype).replace("torch.", ""),
+                                    "precision": r.precision,
                                     "epoch_samples": len(self.dataset),
                                     "token_budget": self.cfg.data.token_budget,
                                     "num_hosts": self.cfg.cluster.num_hosts, "host_rank": self.cfg.cluster.host_rank}

@@ -13,7 +13,9 @@ is ever captured). The drafter is trained and served with the same convention.
 
 Loading builds the text decoder on the meta device truncated to max(layer_ids) + 1 layers, then
 reads only those tensors from the safetensors files straight onto the device: deeper layers,
-lm_head, vision tower and MTP head are never materialised.
+lm_head, vision tower and MTP head are never materialised. A block-wise FP8 checkpoint (e4m3
+weights with 128 x 128 scales, as published) loads too: its Linear layers run FP8 matmuls on
+Hopper, and are dequantized at load elsewhere (target_server.fp8); `precision` says which.
 
 The layer loop is written out here rather than calling HF's model.forward: transformers 5.17-5.24
 differ in the kwargs their forwards accept, and the token mixers must be the document-aware ones
@@ -33,7 +35,7 @@ import torch
 
 from common.batch import BatchError, document_positions
 from common.config import ConfigError, default_layer_ids
-from target_server import varlen
+from target_server import fp8, varlen
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _checkpoint_files(path: str) -> list[str]:
+def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -65,24 +67,54 @@ def _checkpoint_files(path: str) -> list[str]:
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _load_weights(model: torch.nn.Module, path: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Fill a meta-device model with the checkpoint tensors it names, read straight onto `device`."""
+def _load_weights(model: torch.nn.Module, path: str, device: torch.device, dtype: torch.dtype,
+                  fp8_format: fp8.BlockFp8 | None, fp8_matmul: bool) -> int:
+    """Fill a meta-device model with the checkpoint tensors it names, read straight onto `device`.
+
+    An e4m3 weight (a block-wise FP8 checkpoint) comes with its `weight_scale_inv`: with
+    `fp8_matmul` its Linear becomes a `fp8.BlockFp8Linear` holding both, else it is dequantized to
+    `dtype` here (`fp8.runnable`). Returns how many weights were FP8 in the checkpoint.
+    """
     from safetensors import safe_open
 
     wanted = set(model.state_dict().keys())
-    state: dict[str, torch.Tensor] = {}
-    for file in _checkpoint_files(path):
+    scales = {n + fp8.SCALE_SUFFIX for n in wanted if n.endswith(".weight")} if fp8_format else set()
+    raw: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
                 local = next((name[len(p):] for p in WEIGHT_PREFIXES
-                              if name.startswith(p) and name[len(p):] in wanted), None)
-                if local is not None and local not in state:
-                    state[local] = f.get_tensor(name).to(dtype)
-    missing = sorted(wanted - set(state))
+                              if name.startswith(p) and (name[len(p):] in wanted or name[len(p):] in scales)), None)
+                if local is not None and local not in raw:
+                    raw[local] = f.get_tensor(name)
+    missing = sorted(wanted - set(raw))
     if missing:
         raise RuntimeError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the target needs, "
                            f"e.g. {missing[:4]}")
-    model.load_state_dict(state, strict=True, assign=True)
+    state: dict[str, torch.Tensor] = {}
+    quantized = 0
+    for local in sorted(wanted):
+        t = raw[local]
+        if t.dtype != fp8.FP8_DTYPE:
+            state[local] = t.to(dtype)
+            continue
+        scale = raw.get(local + fp8.SCALE_SUFFIX)
+        if fp8_format is None:
+            raise fp8.Fp8FormatError(f"{path}: {local} is float8_e4m3fn but config.json has no quantization_config")
+        if scale is None:
+            raise fp8.Fp8FormatError(f"{path}: {local} is float8_e4m3fn but the checkpoint has no "
+                                     f"{local}{fp8.SCALE_SUFFIX}")
+        module_name = local[: -len(".weight")]
+        module = model.get_submodule(module_name)
+        if type(module) is not torch.nn.Linear:
+            raise fp8.Fp8FormatError(f"{path}: {local} is float8_e4m3fn, but {module_name} is a "
+                                     f"{type(module).__name__}, not a Linear")
+        model.set_submodule(module_name, fp8.runnable(module, t, scale, fp8_format.block, fp8_matmul))
+        quantized += 1
+    # the FP8 Linears hold their weights already: the rest is loaded by name (load() checks that
+    # nothing is left on the meta device)
+    model.load_state_dict(state, strict=quantized == 0, assign=True)
+    return quantized
 
 
 def _check_layers(layers: torch.nn.ModuleList, model_type: str) -> list[bool]:
@@ -108,7 +140,8 @@ class TargetRunner:
     """Frozen target: packed forward that returns the captured layer outputs."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, config: dict[str, Any], num_layers: int,
-                 layer_ids: list[int], device: torch.device, dtype: torch.dtype, linear_backend: str) -> None:
+                 layer_ids: list[int], device: torch.device, dtype: torch.dtype, linear_backend: str,
+                 precision: str = "") -> None:
         self.model = model
         self.model_path = model_path
         self.config = config
@@ -117,6 +150,8 @@ class TargetRunner:
         self.device = device
         self.dtype = dtype
         self.linear_backend = linear_backend
+        # how the weights run (target_server.fp8): fp8-block, fp8-block-dequantized-<dtype>, or the dtype
+        self.precision = precision or fp8.precision(False, False, dtype)
         text = model.config
         self.hidden_size = int(text.hidden_size)
         self.vocab_size = int(text.vocab_size)
@@ -133,16 +168,21 @@ class TargetRunner:
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: str = "auto", layer_ids: list[int] | None = None,
-             num_capture_layers: int = 5, linear_backend: str = "auto") -> "TargetRunner":
+             num_capture_layers: int = 5, linear_backend: str = "auto",
+             fp8_matmul: bool | None = None) -> "TargetRunner":
         """Load the decoder up to the deepest captured layer, frozen, onto `device`.
 
         layer_ids default to common.config.default_layer_ids(L, num_capture_layers); they must be
         strictly increasing and inside [0, L). linear_backend: auto | torch | fla (see varlen).
+        A block-wise FP8 checkpoint (target_server.fp8) runs FP8 matmuls where the device has them
+        and is dequantized at load elsewhere; fp8_matmul True / False forces one way (True raises
+        where FP8 matmuls cannot run).
         """
         from transformers import AutoConfig, AutoModel
 
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config_dict = json.load(f)
+        fp8_format = fp8.read_format(config_dict)
         text_cfg = AutoConfig.from_pretrained(path).get_text_config()
         num_layers = int(text_cfg.num_hidden_layers)
         ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers, num_capture_layers)
@@ -155,6 +195,7 @@ class TargetRunner:
             raise NotImplementedError("sliding-window attention layers are not supported by the packed forward")
         d = text_cfg.to_dict()
         d.update(num_hidden_layers=keep, use_cache=False)
+        d.pop("quantization_config", None)   # quantized weights are ours to load (_load_weights)
         if layer_types:
             d["layer_types"] = layer_types
         trunc_cfg = type(text_cfg).from_dict(d)
@@ -169,10 +210,19 @@ class TargetRunner:
             # execution plan for every new shape (reported at ~0.4 s per shape with torch 2.11),
             # flash attention does not. Process-wide; the target server runs nothing else.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        unavailable = fp8.fp8_matmul_unavailable(dev)
+        if fp8_format is not None and fp8_matmul and unavailable:
+            raise RuntimeError(f"FP8 matmuls cannot run on {dev}: {unavailable}")
+        use_fp8 = fp8_format is not None and (fp8_matmul if fp8_matmul is not None else unavailable is None)
         impl = varlen.register_packed_attention()
         with torch.device("meta"):
             model = AutoModel.from_config(trunc_cfg, attn_implementation=impl, dtype=torch_dtype)
-        _load_weights(model, path, dev, torch_dtype)
+        quantized = _load_weights(model, path, dev, torch_dtype, fp8_format, use_fp8)
+        precision = fp8.precision(fp8_format is not None, use_fp8, torch_dtype)
+        if fp8_format is not None and not use_fp8:
+            log.info("target %s: block-wise FP8 checkpoint, %d weights dequantized to %s at load (%s): the FP8 "
+                     "model's weights, activations not quantized", path, quantized, torch_dtype,
+                     unavailable or "fp8_matmul=False")
         # Non-persistent buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild on device.
         with torch.device(dev):
             model.rotary_emb = type(model.rotary_emb)(config=model.config)
@@ -180,9 +230,9 @@ class TargetRunner:
         if still_meta:
             raise RuntimeError(f"{path}: tensors left uninitialised after loading: {still_meta[:4]}")
         model.eval().requires_grad_(False)
-        runner = cls(model, path, config_dict, num_layers, ids, dev, torch_dtype, backend)
-        log.info("target %s: %d of %d layers kept, capture %s, %s on %s, linear backend %s",
-                 path, keep, num_layers, ids, torch_dtype, dev, backend)
+        runner = cls(model, path, config_dict, num_layers, ids, dev, torch_dtype, backend, precision)
+        log.info("target %s: %d of %d layers kept, capture %s, %s (%s) on %s, linear backend %s",
+                 path, keep, num_layers, ids, precision, torch_dtype, dev, backend)
         return runner
 
     def fix_linear_shape(self, num_tokens: int) -> "TargetRunner":

@@ -121,13 +121,15 @@ def test_trainer_state_round_trips_through_save_and_load(tmp_path):
                          trained_samples={0: np.arange(4), 1: np.array([9, 3])},
                          sample_seqs={0: np.array([0, 0, 1, 2]), 1: np.array([5, 5])}, plan={}, epoch_sizes=[4, 4],
                          config_hash="abc", model=model.state_dict(), optimizer=opt.state_dict(),
-                         rng=torch.get_rng_state(), drafter_config={"hidden_size": 3}, split_fc=True)
+                         rng=torch.get_rng_state(), drafter_config={"hidden_size": 3}, split_fc=True,
+                         target_precision="fp8-block")
     path, meta = saved.save(str(tmp_path), keep=2, reason="test", epoch_samples=6, num_hosts=2)
     assert read_meta(path) == json.loads(json.dumps(meta))
     assert [h["batches_trained"] for h in meta["cluster"]["hosts"]] == [3, 1]
     loaded = TrainerState.load(path)
     assert (loaded.step, loaded.epoch, loaded.skipped_steps, loaded.epoch_sizes) == (7, 1, 2, [4, 4])
     assert list(loaded.have) == [0, 1, 2, 5] and loaded.config_hash == "abc" and loaded.split_fc
+    assert loaded.target_precision == meta["target_precision"] == "fp8-block"
     assert {e: v.tolist() for e, v in loaded.trained_samples.items()} == {0: [0, 1, 2, 3], 1: [9, 3]}
     assert {e: v.tolist() for e, v in loaded.sample_seqs.items()} == {0: [0, 0, 1, 2], 1: [5, 5]}
     fresh = torch.nn.Linear(3, 2, bias=False)

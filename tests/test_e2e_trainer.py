@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e import (REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for, write_config,
-                 write_heldout)
+from drafter_trainer.checkpoint import read_meta
+from e2e import (CACHE, DEMO, REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for,
+                 write_config, write_heldout)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,9 +44,16 @@ class Torchrun(Service):
 @pytest.mark.skipif(os.environ.get("DFPIPE_TEST_TRAINER_DEVICE", "cpu") != "cpu" and _cuda_devices() < 2,
                     reason="two CUDA ranks need two GPUs (NCCL refuses two ranks on one device)")
 def test_two_ranks_in_lockstep_train_every_sampleassert_exactly_once(tmp_path: Path) -> None:
-    # rank 0 also evaluates held-out batches every 2 steps: the other rank must not stall or deadlock
+    # rank 0 also evaluates held-out batches every 2 steps: the other rank must not stall or deadlock.
+    # The target is the tiny one as a block-wise FP8 checkpoint: nothing else in the pipeline changes,
+    # and the precision it runs in reaches both ranks, the checkpoint and the export.
+    from dfpipe.quantize_fp8 import quantize_checkpoint
+    from target_server.tiny import resolve_target
+
+    tiny = resolve_target("builtin:tiny-qwen3.5", str(CACHE), tokenizer_dir=str(DEMO / "tokenizer"))
+    fp8_target = quantize_checkpoint(tiny, str(tmp_path / "fp8-target"))["out"]
     config = write_config(tmp_path, samples=100, data={"heldout_path": str(write_heldout(tmp_path))},
-                          train={"eval_every": 2, "eval_batches": 2})
+                          train={"eval_every": 2, "eval_batches": 2}, target={"model": fp8_target})
     cfg = load(config)
     target = Service("target-server", config, tmp_path)
     try:
@@ -63,6 +71,11 @@ def test_two_ranks_in_lockstep_train_every_sampleassert_exactly_once(tmp_path: P
         assert "trainer[1]" in log and "trainer[0] INFO exported drafter" in log
         assert "trainer[0] INFO eval step " in log and "trainer[1] INFO eval step" not in log
         assert status["heldout"]["acked"] == 2, "held-out batches go to rank 0 only, once"
+        precision = status["target"]["precision"]
+        assert precision.startswith("fp8-block"), precision
+        assert read_meta(info["path"])["target_precision"] == precision
+        exported = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+        assert exported["dfpipe"]["target_precision"] == precision
     finally:
         target.stop()
 

@@ -281,3 +281,50 @@ def test_cli_refuses_a_drafter_config_it_cannot_read(tmp_path: Any, target_dir: 
     (tmp_path / "drafter" / "config.json").write_text(text)
     assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "drafter"))) == ev.EXIT_USAGE
     assert "unreadable config.json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def fp8_target_dir(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """target_dir as a block-wise FP8 checkpoint (`dfpipe quantize-fp8`): 64 wide, so every block is partial."""
+    from dfpipe.quantize_fp8 import quantize_checkpoint
+
+    return quantize_checkpoint(target_dir, str(tmp_path_factory.mktemp("fp8") / "target"))["out"]
+
+
+def test_an_fp8_target_runs_its_dequantized_weights_on_the_cpu(fp8_target_dir: str, tmp_path: Any) -> None:
+    """eval converts the FP8 weights itself (transformers' reader assumes whole 128 x 128 blocks)."""
+    from test_fp8_target import _dequantized_reference
+
+    fp8_target = ev.TargetModel.load(fp8_target_dir, torch.device("cpu"), LAYER_IDS, dtype=torch.float64)
+    reference = ev.TargetModel.load(_dequantized_reference(fp8_target_dir, str(tmp_path / "ref")),
+                                    torch.device("cpu"), LAYER_IDS, dtype=torch.float64)
+    assert fp8_target.precision == "fp8-block-dequantized-fp64" and reference.precision == "fp64"
+    logits, features = fp8_target.forward(PROMPTS[1])
+    expected_logits, expected_features = reference.forward(PROMPTS[1])
+    assert torch.equal(logits, expected_logits) and torch.equal(features, expected_features)
+
+
+def test_cli_says_which_precision_the_target_ran_in_and_warns_when_the_drafter_trained_on_another(
+        tmp_path: Any, target_dir: str, fp8_target_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    on_fp8, on_this, on_bf16 = (str(tmp_path / name) for name in ("on-fp8", "on-this", "on-bf16"))
+    export_drafter(make_drafter(target_dir), on_fp8, target_dir=fp8_target_dir, target_precision="fp8-block")
+    export_drafter(make_drafter(target_dir), on_this, target_dir=fp8_target_dir,
+                   target_precision="fp8-block-dequantized-fp32")
+    export_drafter(make_drafter(target_dir), on_bf16, target_dir=target_dir, target_precision="bf16")
+
+    assert ev.main(_cli_args(tmp_path, fp8_target_dir, on_fp8, max_new_tokens=2)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert (report["target_precision"], report["trained_precision"]) == ("fp8-block-dequantized-fp32", "fp8-block")
+    assert len(report["warnings"]) == 1 and "was trained on the target in fp8-block" in captured.err
+
+    assert ev.main(_cli_args(tmp_path, fp8_target_dir, on_this, max_new_tokens=2, json=False)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    assert "WARNING" not in captured.err
+    assert "(fp8-block-dequantized-fp32; the drafter was trained on fp8-block-dequantized-fp32)" in captured.out
+
+    # trained on the unquantized model: the same model (no "another target"), another precision
+    assert ev.main(_cli_args(tmp_path, fp8_target_dir, on_bf16, max_new_tokens=2)) == ev.EXIT_OK
+    captured = capsys.readouterr()
+    warnings = json.loads(captured.out)["warnings"]
+    assert len(warnings) == 1 and "trained on the target in bf16, this eval runs it in fp8-block" in warnings[0]

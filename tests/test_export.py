@@ -161,3 +161,15 @@ def test_export_records_its_targets_config_fingerprint_only_when_told_the_target
     resaved = dict(reversed(list({**target_config, "transformers_version": "5.9"}.items())))
     assert target_fingerprint(resaved) == target_fingerprint(target_config)
     assert target_fingerprint({**target_config, "rms_norm_eps": 1e-5}) != target_fingerprint(target_config)
+    # nor is how its weights are stored: the FP8 checkpoint of a model is that model (the precision
+    # the drafter trained on is recorded beside it, and `dfpipe eval` compares that on its own)
+    fp8 = {**target_config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert target_fingerprint(fp8) == target_fingerprint(target_config)
+
+
+def test_export_records_the_target_precision_the_drafter_trained_on(tmp_path):
+    export_drafter(make_model(tiny_config()), str(tmp_path / "out"), target_precision="fp8-block")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dfpipe"] == {"target_precision": "fp8-block"}
+    # only under our own key: the fields serving engines read are those of any export
+    assert "target_precision" not in config["dflash_config"] and "target_precision" not in config

@@ -48,6 +48,17 @@ def test_export_with_its_target_writes_the_folder(run_dir, tmp_path, capsys):
         assert json.load(f)["dfpipe"]["target"] == os.path.abspath(target)
 
 
+def test_the_export_records_the_target_precision_its_checkpoint_trained_on(tmp_path):
+    model = make_model(tiny_config())
+    state = TrainerState(step=5, epoch=0, have=SeqSet(), trained_samples={}, model=model.trainable_state_dict(),
+                         drafter_config=dataclasses.asdict(model.config), target_precision="fp8-block")
+    state.save(str(tmp_path / "run"), keep=1, reason="test", epoch_samples=0)
+    target = _target(tmp_path / "target", model_type="qwen3", **TARGET_SHAPE)
+    assert _export(tmp_path / "run", tmp_path / "out", "--target", target) == 0
+    recorded = json.loads((tmp_path / "out" / "config.json").read_text())["dfpipe"]
+    assert recorded["target_precision"] == "fp8-block" and recorded["target"] == os.path.abspath(target)
+
+
 def test_a_multimodal_targets_text_config_is_what_is_checked(run_dir, tmp_path):
     target = _target(tmp_path / "target", model_type="qwen3_5", text_config=TARGET_SHAPE)
     assert _export(run_dir, tmp_path / "out", "--target", target) == 0

@@ -48,6 +48,19 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"
 
+    # the FP8 target part (not in the default run: BENCH_PARTS="env fp8") on the same fixtures; no
+    # FP8 matmuls on the CPU, so its quantized weights run dequantized
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "gpu_bench.py"), "fp8", "--quick"],
+                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    fp8 = results["parts"]["fp8"]["figures"]
+    assert fp8["precision"] == "fp8-block-dequantized-fp32" and fp8["quantized_linears"] > 0
+    assert 0 < fp8["feature_rel_diff"] < 1 and set(fp8["feature_rel_diff_by_layer"]) == {"1", "2", "4", "6", "7"}
+    assert results["benchmarks"]["P8"]["ratio"] is not None and results["benchmarks"]["P8"]["error"] is None
+    assert fp8["fp8_worker_tok_s"] > 0 and len(fp8["fp8_p2_runs"]) == fp8["repeats"]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"
+
     # the first-step profile script (run by hand on the GPU host) on the same fixtures
     first = tmp_path / "first_step.json"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "first_step.py"), "--workdir",

@@ -2,6 +2,7 @@
 have set, several workers, bad messages, control commands, metrics, quarantine."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -270,6 +271,9 @@ def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) ->
     assert refused.returncode != 0 and "no durable state" in refused.stderr + refused.stdout
     as_json = run("ctl", "target", "status", "--json", "-c", str(config))
     assert as_json.returncode == 0 and '"model_loads": 1' in as_json.stdout
+    # what the WELCOME tells trainers, with the precision the target runs in (the tiny target: fp32)
+    described = json.loads(as_json.stdout)["target"]
+    assert described["precision"] == "fp32" and described["layer_ids"] and described["model_path"]
     bad = run("ctl", "target", "explode", "-c", str(config))
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     t0 = time.monotonic()

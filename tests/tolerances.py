@@ -78,3 +78,41 @@ def target_terms(runner: object, context: int) -> int:
     `context` tokens (a Gated DeltaNet layer's recurrence runs over as many steps as attention's keys)."""
     text = runner.model.config
     return transformer_terms(max(runner.layer_ids) + 1, runner.hidden_size, int(text.intermediate_size), context)
+
+
+# ---- FP8 (e4m3) --------------------------------------------------------------------------------
+# e4m3: 3 mantissa bits, eps = 2^-3, unit roundoff u = 2^-4; normals from 2^-6, subnormals spaced
+# 2^-9 below that (torch.finfo(torch.float8_e4m3fn)).
+E4M3 = torch.float8_e4m3fn
+# Hopper's FP8 tensor cores sum the products of one MMA chain in an accumulator of about 14 bits,
+# not fp32 (DeepSeek-V3 technical report, 3.3.2, "Increasing Accumulation Precision"); the block
+# kernel adds each 128-column group's sum into fp32 registers, as that report does.
+HOPPER_FP8_ACCUMULATOR_EPS = 2.0 ** -13
+
+
+def e4m3_rounding(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """The largest error of storing x as an e4m3 value times `scale` (round to nearest) and reading
+    it back in fp32: half a step of e4m3 at |x / scale|. A normal is within u = eps/2 of itself,
+    relative; a subnormal within half the subnormal spacing (smallest normal x eps / 2) times the
+    scale; reading back in fp32 rounds once more (eps(fp32)/2, relative)."""
+    f = torch.finfo(E4M3)
+    subnormal = torch.as_tensor(scale, dtype=torch.float32) * (f.smallest_normal * f.eps / 2)
+    return torch.maximum(x.abs() * (f.eps / 2), subnormal) + x.abs() * eps(torch.float32)
+
+
+def fp8_matmul_tol(k: int, *, scale: float, rounded_to: torch.dtype) -> dict[str, float]:
+    """rtol / atol between the block FP8 kernel and the same e4m3 values and scales multiplied in
+    fp32: a k-term reduction at the tensor cores' accumulator precision, stored in `rounded_to`."""
+    bound = C * HOPPER_FP8_ACCUMULATOR_EPS * math.sqrt(k)
+    return {"rtol": bound + eps(rounded_to), "atol": bound * scale}
+
+
+def fp8_activation_rtol(quantized_matmuls: int) -> float:
+    """Relative (Frobenius) difference between a computation whose matmul inputs are rounded to
+    e4m3 (dynamic activations: per token and per 128 columns) and the same computation without.
+
+    Round to nearest moves each input element by at most u = eps/2 = 2^-4 relative, uniformly
+    within half a step: u / sqrt(3) relative RMS. A matmul output sums those independent errors
+    weighted by its terms, so its relative RMS error is u / sqrt(3) too; along a value's path
+    `quantized_matmuls` such matmuls add theirs in quadrature; C spreads it as above."""
+    return C * (eps(E4M3) / 2) / math.sqrt(3) * math.sqrt(quantized_matmuls)

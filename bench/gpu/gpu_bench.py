@@ -14,6 +14,7 @@ Parts (in run_all.sh order):
     p5         drafter step: fwd+bwd+AdamW time, FLOPs, MFU vs measured matmul peak,
                and drafter-alone tok/s on the dataset's batches (for P6)                   (P5)
     p23        target worker vs bare forward (P2), packed vs padded (P3)
+    fp8        the target as a block-wise FP8 checkpoint vs bf16: tok/s, feature difference, its P2 (P8)
     services   real target-server + trainer processes: cold start, together, warm restart (P4, P6)
 
 run_all.sh records each part's exit code and prints the table with `python -m bench.gpu.results`.
@@ -83,8 +84,8 @@ QUICK: dict[str, Any] = dict(
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
     p5d_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
 )
-TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_ring.py",
-              "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
+TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_fp8_target.py",
+              "tests/test_ring.py", "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
               "tests/test_step_syncs.py")
 GPU_TEST_FILTER = "gpu or cuda"   # test names and the gpu marker (substring match: not "fla", which matches "dflash")
 EXPECTED_SKIPS = ("checks the behaviour without CUDA",   # test_ring's CPU-only check, skipped on a GPU host
@@ -802,6 +803,78 @@ def part_p23(ctx: Ctx) -> str:
     return "measured"
 
 
+def part_fp8(ctx: Ctx) -> str:
+    """P8: the target as its makers' block-wise FP8 checkpoint against the bf16 one, in one process.
+    The proxy's random weights are quantized in memory as `dfpipe quantize-fp8` writes them and run
+    as a load runs them (`target_server.fp8.to_block_fp8`: FP8 matmuls where the device has them,
+    dequantized weights elsewhere, as in the CPU smoke run). On the same packed batches, in turns
+    (bf16 bare loop, FP8 bare loop, FP8 TargetWorker): FP8 over bf16 tok/s (the headline), P2 of
+    the FP8 target (its worker over its bare loop), and the relative difference of the two targets'
+    captured planes."""
+    import copy
+
+    from bench.gpu.worker_harness import run_worker, worker_config
+    from target_server import fp8
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer, build_packed
+
+    a = ctx.args
+    manifest = fixtures.read_manifest(ctx.workdir)
+    budget, max_len = manifest["token_budget"], manifest["max_len"]
+    baseline = fixtures.load_runner(manifest, ctx.device, a.allow_torch_linear)
+    t0 = time.perf_counter()
+    runner = copy.deepcopy(baseline)
+    fp8_matmul = fp8.fp8_matmul_unavailable(ctx.device) is None
+    quantized = fp8.to_block_fp8(runner.model, fp8_matmul)
+    runner.precision = fp8.precision(True, fp8_matmul, runner.dtype)
+    numbers: dict[str, Any] = {"precision": runner.precision, "baseline_precision": baseline.precision,
+                               "quantized_linears": quantized, "quantize_s": time.perf_counter() - t0,
+                               "token_budget": budget, "batches_timed": a.p2_batches, "repeats": a.p2_repeats,
+                               "weights_gb": {r.precision: sum(p.numel() * p.element_size()
+                                                               for p in r.model.parameters()) / 1e9
+                                              for r in (baseline, runner)},
+                               "baseline_first_forward_s": baseline.warmup(budget),
+                               "fp8_first_forward_s": runner.warmup(budget)}   # the FP8 kernels tune here
+    dataset = PreparedDataset.open(manifest["data_dir"])
+    packer = Packer(dataset.lengths, budget, a.seed)
+    seqs = list(range(a.p2_warmup + a.p2_batches))
+    batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
+    tokens = sum(int(b[0].numel()) for b in batches[a.p2_warmup:])
+
+    def bare_tok_s(r: Any) -> float:
+        for b in batches[: a.p2_warmup]:
+            r.capture(*b)
+        timer = fixtures.RegionTimer(ctx.device).start()
+        for b in batches[a.p2_warmup:]:
+            r.capture(*b)
+        return tokens / timer.stop().seconds()
+
+    # the planes of the first timed batch: how far the FP8 target's features are from the bf16 one's
+    batch = batches[a.p2_warmup]
+    ref, got = baseline.capture(*batch).float(), runner.capture(*batch).float()
+    numbers["feature_rel_diff"] = float((got - ref).norm() / ref.norm())
+    numbers["feature_rel_diff_by_layer"] = {str(layer): float((got[i] - ref[i]).norm() / ref[i].norm())
+                                            for i, layer in enumerate(runner.layer_ids)}
+    del ref, got
+    rates: dict[str, list[float]] = {"bf16": [], "fp8": [], "fp8_worker": []}
+    for _ in range(a.p2_repeats):
+        rates["bf16"].append(bare_tok_s(baseline))
+        rates["fp8"].append(bare_tok_s(runner))
+        cfg = worker_config(budget, max_len, ctx.ring_name("p8"), ctx.shm_dir, a.ring_slots, ctx.cuda_register(),
+                            a.audit_every)
+        rates["fp8_worker"].append(run_worker(runner, cfg, dataset, packer, seqs).tokens_per_s(a.p2_warmup - 1))
+    n = len(rates["fp8"])
+    ratios = [f / b for f, b in zip(rates["fp8"], rates["bf16"])]
+    p2 = [w / f for w, f in zip(rates["fp8_worker"], rates["fp8"])]
+    numbers.update({f"{k}_tok_s": sum(v) / n for k, v in rates.items()})
+    numbers.update({f"{k}_runs_tok_s": v for k, v in rates.items()}, ratio_runs=ratios, fp8_p2_runs=p2)
+    ctx.store.figures("fp8", **numbers)
+    ctx.store.benchmark("P8", {"fp8_over_bf16_tok_s": sum(ratios) / n, "fp8_worker_over_bare_forward": sum(p2) / n},
+                        numbers)
+    print(json.dumps(numbers, indent=1), flush=True)
+    return "measured"
+
+
 def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> None:
     """Why a target's first pass over a batch is slower than a repeat: for each attention variant,
     fresh batches (never seen by this process) timed once, then the same batches again. Variants:
@@ -1229,7 +1302,7 @@ def _read_json(path: str) -> dict[str, Any]:
 # ---- the command line ----------------------------------------------------------------------------
 PARTS: dict[str, Callable[[Ctx], str]] = {
     "env": part_env, "tests": part_tests, "copycheck": part_copycheck, "p1": part_p1, "p5": part_p5,
-    "p5d": part_p5d, "p23": part_p23, "services": part_services, "p7": part_p7, "scale": part_scale,
+    "p5d": part_p5d, "p23": part_p23, "fp8": part_fp8, "services": part_services, "p7": part_p7, "scale": part_scale,
     "placements": part_placements, "fp8lib": part_fp8lib,
 }
 NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env", "p7"}

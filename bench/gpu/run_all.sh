@@ -10,8 +10,8 @@
 # drafter step in the default precision, fp8 on an H200, against bf16 on the same batches, and
 # their gradients' cosine), P2, P4 (warm restart against a cold start with an empty Triton cache)
 # and P6d (a 60 s window, its baselines from this run's p5d and p23), and P7 from those rates.
-# Other parts (tests copycheck p1 p5 scale placements fp8lib long fp8target ckpt) run when BENCH_PARTS
-# names them. Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
+# Other parts (tests copycheck p1 p5 scale placements fp8lib fp8 long) run when BENCH_PARTS names
+# them (BENCH_PARTS="env fp8": the FP8 target, P8). Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
 # default 570), PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service
 # runs; default /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part. The
 # table of results is printed last: anything not measured says so.
@@ -74,9 +74,9 @@ cleanup_children
 read -ra PARTS <<< "${BENCH_PARTS:-env p5d p23 services p7}"  # BENCH_PARTS: the parts to run, in order
 declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-150}
                   [services]=330 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300} [fp8lib]=120
-                  [long]=150 [fp8target]=120 [ckpt]=120)
+                  [long]=150 [fp8]=150)
 declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=120 [p7]=5 [p23]=60 [services]=200 [scale]=60
-                 [placements]=100 [fp8lib]=40 [long]=60 [fp8target]=40 [ckpt]=30)
+                 [placements]=100 [fp8lib]=40 [long]=60 [fp8]=60)
 
 run_part() {
   local name=$1 i later=0 left t rc t0

@@ -1,0 +1,283 @@
+"""Block-wise FP8 targets (target_server/fp8.py, `dfpipe quantize-fp8`).
+
+The quantizer writes the published format (e4m3 weights, one fp32 scale per 128 x 128 block, a
+partial block at an edge with its own), and a target in that format captures what its dequantized
+model captures: on the CPU the weights are dequantized at load, so the two are the same math (fp32
+rounding); with FP8 matmuls on a Hopper GPU the activations are quantized too, and the two differ
+by e4m3 rounding of the matmul inputs (tests/tolerances.py derives both bounds).
+
+The tiny targets here are 192 wide: K = 192 is one whole and one partial 128-column block, and
+the k / v projections (96 rows) are partial row blocks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (bind HF's kernels while conftest blocks FLA)
+from safetensors.torch import load_file, save_file
+
+from common.batch import document_positions
+from common.config import TargetConfig
+from dfpipe.cli import main as dfpipe_main
+from dfpipe.quantize_fp8 import quantize_checkpoint
+from target_server import fp8
+from target_server.target import TargetRunner
+from target_server.tiny import build_tiny_target
+from tolerances import assert_close, e4m3_rounding, fp8_activation_rtol, fp8_matmul_tol, target_terms
+
+ARCHS = ("qwen3.5", "qwen3")
+LAYER_IDS = [1, 3]          # a Gated DeltaNet layer and (Qwen3.5) the first full-attention one
+HIDDEN = 192
+
+
+def _expand(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
+    """scale[n // bn, k // bk] at every element of an [n, k] weight: the format's definition."""
+    rows = torch.arange(n, device=scale.device) // block[0]
+    cols = torch.arange(k, device=scale.device) // block[1]
+    return scale[rows][:, cols]
+
+
+def _dequantized_reference(fp8_dir: str, out: str) -> str:
+    """The FP8 checkpoint as a plain one: every e4m3 weight times its block's scale, in fp32."""
+    tensors = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    plain = {}
+    for name, t in tensors.items():
+        if name.endswith(fp8.SCALE_SUFFIX):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors[name + fp8.SCALE_SUFFIX]
+            t = t.float() * _expand(scale, *t.shape, fp8.BLOCK)
+        plain[name] = t
+    os.makedirs(out)
+    save_file(plain, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(fp8_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """Per architecture: the source (fp32), its FP8 checkpoint and the FP8 one dequantized."""
+    root = tmp_path_factory.mktemp("fp8-targets")
+    out = {}
+    for arch in ARCHS:
+        src = build_tiny_target(str(root / f"{arch}-src"), arch=arch, hidden_size=HIDDEN, num_layers=4, seed=3)
+        q = str(root / f"{arch}-fp8")
+        quantize_checkpoint(src, q)
+        out[arch] = {"src": src, "fp8": q, "ref": _dequantized_reference(q, str(root / f"{arch}-ref"))}
+    return out
+
+
+def _batch(lens: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    doc_lens = torch.tensor(lens, dtype=torch.int32)
+    ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(seed))
+    return ids, document_positions(doc_lens), doc_lens
+
+
+# ---- the quantizer ---------------------------------------------------------------------------------
+def test_quantized_weights_are_within_e4m3_rounding_of_each_block_with_a_scale_per_partial_block() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, k = 300, 200                                    # 3 x 2 blocks, the last row and column partial
+    # blocks of very different magnitudes: a shared scale would flush the small ones to zero
+    magnitude = 10.0 ** torch.randint(-4, 3, (3, 2), generator=g).float()
+    w = torch.randn(n, k, generator=g) * _expand(magnitude, n, k, fp8.BLOCK)
+    w[128:256, 128:] = 0.0                             # an all-zero block
+    q, scale = fp8.quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (n, k)
+    assert scale.dtype == torch.float32 and scale.shape == (3, 2)
+    for i in range(3):
+        for j in range(2):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]     # its real entries only
+            amax = block.abs().max()
+            assert scale[i, j] == (amax / fp8.FP8_MAX if amax > 0 else 1.0), (i, j)
+    back = fp8.dequantize_weight(q, scale, fp8.BLOCK, torch.float32)
+    err = (back - w).abs()
+    assert bool((err <= e4m3_rounding(w, _expand(scale, n, k, fp8.BLOCK))).all()), float(err.max())
+    assert float(err.max()) > 0, "nothing was rounded: not an e4m3 round trip"
+    assert bool((back[128:256, 128:] == 0).all())
+    # each block's largest entry is the top of e4m3's range, so it comes back whole
+    top = w.abs().argmax()
+    assert back.flatten()[top] == w.flatten()[top]
+
+
+def test_quantize_fp8_writes_the_published_layout_that_transformers_reads(
+        targets: dict[str, dict[str, str]], tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = targets["qwen3.5"]["src"]
+    out = str(tmp_path / "fp8")
+    assert dfpipe_main(["quantize-fp8", "--model", src, "--out", out]) == 0
+    assert "weights in e4m3 with 128x128 block scales" in capsys.readouterr().out
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        q = json.load(f)["quantization_config"]
+    assert {k: v for k, v in q.items() if k != "modules_to_not_convert"} == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert {"lm_head", "model.embed_tokens", "model.layers.0.linear_attn.in_proj_a",
+            "model.layers.0.linear_attn.in_proj_b", "model.norm"} <= set(q["modules_to_not_convert"])
+    before, after = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    quantized = [n for n in before if n in after and after[n].dtype == torch.float8_e4m3fn]
+    assert {n.split(".")[-2] for n in quantized} == {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv",
+                                                     "in_proj_z", "out_proj", "gate_proj", "up_proj", "down_proj"}
+    for name, t in before.items():
+        if name in quantized:
+            scale = after[name + fp8.SCALE_SUFFIX]
+            assert scale.dtype == torch.float32 and scale.shape == (-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+        else:
+            assert torch.equal(after[name], t), f"{name} changed"
+    assert set(after) == set(before) | {n + fp8.SCALE_SUFFIX for n in quantized}
+    # transformers' own reader of the format sees the same weights, where it can: its dequantization
+    # reads the block size off the scale grid, so only for weights of whole 128 x 128 blocks
+    whole = build_tiny_target(str(tmp_path / "whole"), arch="qwen3", hidden_size=256, num_layers=2, seed=4)
+    quantize_checkpoint(whole, str(tmp_path / "whole-fp8"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole-fp8"), dtype=torch.float32)
+    tensors = load_file(str(tmp_path / "whole-fp8" / "model.safetensors"))
+    for name in (n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn):
+        weight = model.get_parameter(name)
+        scale = tensors[name + fp8.SCALE_SUFFIX]
+        assert torch.equal(weight, tensors[name].float() * _expand(scale, *weight.shape, fp8.BLOCK)), name
+    capsys.readouterr()
+
+    for argv, why in ((["--model", src, "--out", out], "exists and is not an empty folder"),
+                      (["--model", out, "--out", str(tmp_path / "again")], "is already quantized"),
+                      (["--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")],
+                       "no readable config.json")):
+        assert dfpipe_main(["quantize-fp8", *argv]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "again").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    assert oct(os.stat(out).st_mode & 0o777) == "0o755"
+    assert {oct(os.stat(os.path.join(out, n)).st_mode & 0o777) for n in os.listdir(out)} == {"0o644"}
+
+
+# ---- the target on the CPU -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_target_captures_what_its_dequantized_model_captures_on_the_cpu(
+        arch: str, targets: dict[str, dict[str, str]]) -> None:
+    paths = targets[arch]
+    runner = TargetRunner.load(paths["fp8"], layer_ids=LAYER_IDS)
+    reference = TargetRunner.load(paths["ref"], layer_ids=LAYER_IDS)
+    assert runner.precision == "fp8-block-dequantized-fp32" and reference.precision == "fp32"
+    assert runner.layer_ids == reference.layer_ids == LAYER_IDS
+    batch = _batch([7, 30, 1, 12])
+    captured = runner.capture(*batch)
+    assert_close(captured, reference.capture(*batch), n=target_terms(runner, 30))
+    # the FP8 model is not the model it was quantized from
+    source = TargetRunner.load(paths["src"], layer_ids=LAYER_IDS).capture(*batch)
+    assert float((captured - source).norm() / source.norm()) > 1e-3
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({"weight_block_size": None}, "weight_block_size None"),
+    ({"weight_block_size": [128, 100]}, r"weight_block_size \[128, 100\]"),
+    ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+    ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+])
+def test_a_quantization_the_target_cannot_run_is_refused_naming_the_setting(change: dict, match: str) -> None:
+    config = {"quantization_config": {**fp8.quantization_config(fp8.BLOCK, []), **change}}
+    with pytest.raises(fp8.Fp8FormatError, match=match):
+        fp8.read_format(config)
+
+
+def test_an_fp8_weight_without_its_scale_or_its_config_is_a_clear_error(targets: dict[str, dict[str, str]],
+                                                                         tmp_path) -> None:
+    no_scale = shutil.copytree(targets["qwen3"]["fp8"], tmp_path / "no-scale")
+    tensors = load_file(str(no_scale / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, str(no_scale / "model.safetensors"))
+    with pytest.raises(fp8.Fp8FormatError, match="has no layers.0.mlp.down_proj.weight_scale_inv"):
+        TargetRunner.load(str(no_scale), layer_ids=LAYER_IDS)
+    no_config = shutil.copytree(targets["qwen3"]["fp8"], tmp_path / "no-config")
+    config = json.loads((no_config / "config.json").read_text())
+    del config["quantization_config"]
+    (no_config / "config.json").write_text(json.dumps(config))
+    with pytest.raises(fp8.Fp8FormatError, match="config.json has no quantization_config"):
+        TargetRunner.load(str(no_config), layer_ids=LAYER_IDS)
+
+
+# ---- FP8 matmuls (CUDA, Hopper or newer) ---------------------------------------------------------
+def _fp8_matmul_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return fp8.fp8_matmul_unavailable(torch.device("cuda"))
+
+
+fp8_cuda_only = pytest.mark.skipif(_fp8_matmul_missing() is not None, reason=str(_fp8_matmul_missing()))
+
+
+@fp8_cuda_only
+def test_block_fp8_kernels_compute_their_definition_on_cuda() -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    m, n, k = 300, 260, 300                            # partial blocks in every dimension
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    x[5] = 0                                           # an all-zero token
+    q, scale = fp8.quantize_weight(torch.randn(n, k, device="cuda", generator=g))
+    # dynamic activations by definition: each token's run of 128 columns scaled by its largest / 448
+    groups = torch.nn.functional.pad(x.float(), (0, 384 - k)).view(m, 3, 128)
+    x_scale = groups.abs().amax(-1).clamp_min(fp8.ACT_EPS) / fp8.FP8_MAX
+    x_q = (groups / x_scale[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn).view(m, 384)[:, :k]
+    got_q, got_scale = fp8.quantize_activations(x, 128)
+    assert torch.equal(got_scale, x_scale) and torch.equal(got_q.view(torch.uint8), x_q.view(torch.uint8))
+    expected = (x_q.float() * _expand(x_scale, m, k, (1, 128))) @ (q.float() * _expand(scale, n, k, fp8.BLOCK)).T
+    y = fp8.block_fp8_linear(x.view(1, m, k), q, scale, fp8.BLOCK)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, m, n)
+    torch.testing.assert_close(y[0].float(), expected, **fp8_matmul_tol(k, scale=float(expected.abs().max()),
+                                                                        rounded_to=torch.bfloat16))
+
+
+@fp8_cuda_only
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_target_on_cuda_captures_its_dequantized_model_within_fp8_activation_rounding(
+        arch: str, targets: dict[str, dict[str, str]]) -> None:
+    path = targets[arch]["fp8"]
+    runner = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch")
+    dequantized = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch",
+                                    fp8_matmul=False)
+    assert runner.precision == "fp8-block" and dequantized.precision == "fp8-block-dequantized-bf16"
+    assert any(isinstance(m, fp8.BlockFp8Linear) for m in runner.model.modules())
+    batch = _batch([7, 30, 1, 12])
+    runner.capture(*batch)                             # tunes the kernels once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")            # a warm FP8 forward never waits for the GPU
+    try:
+        captured = runner.capture(*batch).float()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    reference = dequantized.capture(*batch).float()
+    for plane, layer in enumerate(LAYER_IDS):
+        rel = float((captured[plane] - reference[plane]).norm() / reference[plane].norm())
+        # four quantized matmuls per layer along a value's path: the mixer's two, the MLP's two
+        assert 0 < rel <= fp8_activation_rtol(4 * (layer + 1)), (layer, rel)
+    # the server's audit (a document alone through transformers' forward against its packed planes)
+    # passes with FP8 matmuls at its default tolerance
+    alone = runner.capture_unpacked(batch[0][7:37]).float()
+    err = float((alone - captured[:, 7:37]).abs().max() / alone.abs().max())
+    assert err <= TargetConfig().audit_tolerance, err
+
+
+@fp8_cuda_only
+def test_eval_runs_an_fp8_target_with_the_target_servers_fp8_matmuls_on_cuda(
+        targets: dict[str, dict[str, str]]) -> None:
+    """transformers' own FP8 Linear needs a kernel from the hub: eval takes its modules over."""
+    from dfpipe.eval import TargetModel
+
+    path = targets["qwen3.5"]["fp8"]
+    model = TargetModel.load(path, torch.device("cuda"), LAYER_IDS, dtype=torch.bfloat16)
+    assert model.precision == "fp8-block"
+    assert any(isinstance(m, fp8.BlockFp8Linear) for m in model.model.modules())
+    batch = _batch([40])
+    logits, features = model.forward(batch[0].tolist())
+    assert bool(torch.isfinite(logits).all())
+    dequantized = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch",
+                                    fp8_matmul=False)
+    reference = dequantized.capture(*batch).float()
+    for plane, layer in enumerate(LAYER_IDS):
+        rel = float((features[plane].float() - reference[plane]).norm() / reference[plane].norm())
+        assert 0 < rel <= fp8_activation_rtol(4 * (layer + 1)), (layer, rel)
