@@ -18,9 +18,10 @@ This module has no transformers dependency: the exported folder is what the serv
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -501,6 +502,18 @@ class DFlashDraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.precision = value
+
+    @contextlib.contextmanager
+    def as_served(self) -> Iterator[None]:
+        """The drafter's matmuls as serving runs them (the compute dtype, no FP8) inside the block,
+        whatever precision trains it: held-out eval measures the drafter that will be exported,
+        not FP8's rounding of its logits."""
+        trained = self.precision
+        self.precision = "bf16"
+        try:
+            yield
+        finally:
+            self.precision = trained
 
     # -- the target's frozen head ------------------------------------------------------------
     def set_target_head(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:

@@ -740,7 +740,7 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), self.stages.time("eval"):
+            with torch.no_grad(), self.stages.time("eval"), model.as_served():
                 for batch in batches:
                     blocks = self._blocks(batch, heldout_anchor_seed(cfg.train.seed, batch.seq))
                     with self.step_settings.autocast(self.device):

@@ -283,3 +283,24 @@ def test_cuda_column_quantization_kernel_equals_quantizing_the_transpose() -> No
     x[5, 7] = float("nan")
     q, scale = fp8.quantize_cols(x)
     assert bool(torch.isnan(scale[7])) and bool(torch.isfinite(scale[[0, 1, 8]]).all())
+
+
+def test_held_out_eval_runs_the_drafter_as_served_and_training_resumes_in_fp8() -> None:
+    """Trainer.evaluate scores the drafter with its matmuls as serving runs them; the training
+    precision comes back afterwards, also when the eval raises."""
+    model = _tiny_drafter("fp8-emulated")
+    batch = make_batch([40, 56])
+    blocks = build_blocks(batch, sample_anchors(batch.loss_mask, batch.doc_lens, 16, torch.Generator().manual_seed(1)),
+                          4, MASK, 3.0)
+    with torch.no_grad():
+        trained = dflash_loss(model, batch, blocks, chunk=16).loss
+        with model.as_served():
+            assert model.precision == "bf16" and all(m.precision == "bf16" for m in model.modules()
+                                                     if isinstance(m, torch.nn.Linear))
+            served = dflash_loss(model, batch, blocks, chunk=16).loss
+        assert model.precision == "fp8-emulated"
+        assert float(served) != float(trained)                   # FP8 rounding was off inside
+        assert float(served) == float(dflash_loss(_tiny_drafter("bf16"), batch, blocks, chunk=16).loss)
+    with pytest.raises(RuntimeError), model.as_served():
+        raise RuntimeError("an eval that fails")
+    assert model.precision == "fp8-emulated"

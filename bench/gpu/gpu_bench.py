@@ -536,25 +536,32 @@ def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.
     headline's speed-up over it, in the same process (MFU from the same model FLOPs)."""
     from dataclasses import replace
 
-    from bench.trainer_bench import step_flops
     from drafter_trainer.model import resolve_attention
 
     impl = resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim)
     headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
     rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
-        times = rig.timed(work, len(work), a.p5d_steps)
+        return timed_against(rig, work, chunk, a, peak, headline, "baseline", attn=impl)
     finally:
         rig.model.attn_impl = headline_impl
+
+
+def timed_against(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                  headline: dict[str, Any], label: str, **settings: Any) -> dict[str, Any]:
+    """The headline's batches stepped as the rig is set now: step times, tok/s, MFU from the same
+    counted FLOPs, peak memory, and the headline's speed-up over it (`settings` are recorded)."""
+    from bench.trainer_bench import step_flops
+
+    times = rig.timed(work, len(work), a.p5d_steps)
     steps = [work[i % len(work)] for i in range(len(times))]
-    model_flops = sum(step_flops(rig.config, b, bl, impl, chunk)["model_total"] for b, bl in steps)
-    out = {"attn": impl, "step_s": float(np.median(times)), "step_s_all": times,
-           "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times),
-           "mfu": model_flops / sum(times) / 1e12 / peak}
+    model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
+    out = {**settings, "step_s": float(np.median(times)), "step_s_all": times,
+           "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times), "mfu": model_flops / sum(times) / 1e12 / peak}
     if rig.cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
     out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
-    print("baseline", json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
+    print(label, json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
     return out
 
 
@@ -582,24 +589,13 @@ def p5d_precision_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a:
     both precisions from the same weights and planes, compared weight by weight (cosine)."""
     from dataclasses import replace
 
-    from bench.trainer_bench import step_flops
-
     headline_precision = rig.model.precision
     base = a.p5d_baseline_precision
     rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
         rig.model.precision = base
-        times = rig.timed(work, len(work), a.p5d_steps)
-        steps = [work[i % len(work)] for i in range(len(times))]
-        model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
-        out: dict[str, Any] = {"headline_precision": headline_precision, "precision": base,
-                               "step_s": float(np.median(times)), "step_s_all": times,
-                               "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times),
-                               "mfu": model_flops / sum(times) / 1e12 / peak}
-        if rig.cuda:
-            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
-        out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
-        print("precision baseline", json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
+        out = timed_against(rig, work, chunk, a, peak, headline, "precision baseline",
+                            headline_precision=headline_precision, precision=base)
         batch, blocks = work[0]
         planed = rig.with_planes(batch)
         want = rig.gradients(planed, blocks)
