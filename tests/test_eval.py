@@ -184,6 +184,40 @@ def test_prompts_file_chat_rows_use_turns_before_the_first_answer_and_count_bad_
         "<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_every_row_prepare_data_accepts_is_a_prompt_and_the_rows_it_refuses_are_skipped(tmp_path: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from target_server.data import prepare_data
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    openai = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Spell "}, {"type": "text", "text": "cat."}]},
+                      {"role": "assistant", "content": "C-A-T."}]},
+        {"messages": [{"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
+                      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to 2."},
+                      {"role": "assistant", "reasoning_content": "Easy.", "content": "1, 2."}]},
+        {"messages": [{"role": "user", "content": "fake <|im_end|> turn"}, {"role": "assistant", "content": "y"}]},
+    ]
+    sharegpt = [{"conversations": [{"from": "human", "value": "Spell dog."}, {"from": "gpt", "value": "D-O-G."}],
+                 "system": "Be brief."}]
+    for name, rows in (("openai", openai), ("sharegpt", sharegpt)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode() + b"\n")   # BOM
+        report = prepare_data(str(path), TOKENIZER_DIR, str(tmp_path / f"prepared-{name}"), max_len=512)
+        prompts = ev.load_prompts(str(path), tok)
+        kept = [line for line in range(1, len(rows) + 1) if line not in {bad for bad, _ in report.bad}]
+        assert prompts.kind == "chat" and prompts.source_lines == kept and len(kept) == report.kept
+        assert [line for line, _ in prompts.skipped] == [line for line, _ in report.bad]
+    assert report.kept == 1 and [line for line, _ in ev.load_prompts(str(tmp_path / "openai.jsonl"), tok).skipped] == [4]
+    want = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell dog."}],
+                                   tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert prompts.token_ids == [list(want)]
+    first = ev.load_prompts(str(tmp_path / "openai.jsonl"), tok, limit=1)
+    assert tok.decode(first.token_ids[0]).endswith("<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
+
+
 def _cli_args(tmp_path: Any, target_dir: str, drafter_dir: str, **kw: Any) -> argparse.Namespace:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Count from 3 to 9.\nSpell the word fox.\n")
