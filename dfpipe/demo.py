@@ -20,7 +20,7 @@ from typing import Any
 
 from common.config import Config, load_config
 
-from .ctl import summary_line, try_status
+from .ctl import audit_text, summary_line, try_status
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -155,8 +155,7 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, keep
     print("\n== dfpipe demo summary ==")
     print(f"wall time            {elapsed:.1f} s")
     print(f"checkpoint           {ckpt}")
-    print(f"samples trained      {info.get('samples_trained')} of {info.get('epoch_samples')} "
-          f"(duplicated: {info.get('samples_duplicated')})")
+    print(f"trained              {audit_text(info)}")
     print(f"trainer              step {ts.get('step')}, loss {ts.get('loss')}, {ts.get('tokens_per_s')} tok/s")
     print(f"anchors per batch    {ts.get('anchors_per_batch')} (up to drafter.max_anchors = "
           f"{cfg.drafter.max_anchors} per document)")

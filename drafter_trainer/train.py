@@ -56,8 +56,8 @@ from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes, sample_stats,
-                         sweep_partial)
+from .checkpoint import (AUDIT_KEYS, OutDirInUse, TrainerState, latest_checkpoint, lock_out_dir, plan_changes,
+                         sample_stats, sweep_partial, trained_pairs)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -246,7 +246,7 @@ class Trainer:
         self.resumed: TrainerState | None = None    # the checkpoint resumed, until _take_drafter restores it
         self.resumed_plan: dict[str, Any] = {}      # the data plan of the checkpoint's `have` ({}: none recorded)
         self.resumed_batches = 0
-        self.trained_samples: dict[int, list[np.ndarray]] = {}
+        self.trained_samples: dict[int, list[np.ndarray]] = {}   # per epoch: [D, 2] (sample id, document id)
         self.last_loss = float("nan")
         self.last_checkpoint = ""
         self.acc_per_pos: list[float] = []
@@ -254,7 +254,8 @@ class Trainer:
         self.anchors = 0                            # blocks supervised by this process's steps
         self.target_dir = ""                        # the target server's model folder (WELCOME)
         self.t_start = time.time()
-        self.epoch_samples = 0
+        self.epoch_samples = 0                      # source rows of an epoch (WELCOME)
+        self.epoch_documents = 0                    # and the documents they make
         self.total_batches = 1
         self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
         self.hosts = cfg.cluster.num_hosts
@@ -271,7 +272,7 @@ class Trainer:
 
     # status is read by the control thread: only plain values
     def status(self) -> dict[str, Any]:
-        stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples)
+        stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples, self.epoch_documents)
         elapsed = max(1e-9, time.time() - self.t_start)
         feed = self.feed
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
@@ -293,7 +294,7 @@ class Trainer:
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
 
     def _samples_by_epoch(self) -> dict[int, np.ndarray]:
-        return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in self.trained_samples.items()}
+        return {e: np.concatenate(v) if v else np.zeros((0, 2), np.int64) for e, v in self.trained_samples.items()}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
@@ -315,7 +316,8 @@ class Trainer:
         self.resumed_batches = len(self.trained)
         # on rank 0 only: a checkpoint gathers every rank's samples, so a copy on each rank would
         # count every resumed sample once per rank (duplicated)
-        self.trained_samples = {e: [v] for e, v in r.trained_samples.items()} if self.ranks.rank == 0 else {}
+        self.trained_samples = ({e: [trained_pairs(v)] for e, v in r.trained_samples.items()}
+                                if self.ranks.rank == 0 else {})
         self.last_checkpoint = path
         self.resumed_plan = r.plan
         if r.config_hash != self.cfg.hash("drafter"):
@@ -341,7 +343,7 @@ class Trainer:
                                                {e: np.concatenate(v).tolist() if v else []
                                                 for e, v in self.trained_samples.items()}))
             have = SeqSet()
-            samples: dict[int, list[int]] = {}
+            samples: dict[int, list[list[int]]] = {}   # per epoch, [sample id, document id] per document
             for wire, by_epoch in parts:
                 have.update(SeqSet.from_wire(wire))
                 for e, ids in by_epoch.items():
@@ -354,7 +356,7 @@ class Trainer:
                 self.feed.commit(restrict_to_host(have, self.epoch_sizes, c.num_hosts, c.host_rank), self.step)
             return saved
 
-    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]]) -> bool:
+    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[list[int]]]) -> bool:
         """Rank 0: write the checkpoint of the union `have`; False when the save failed."""
         trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
         state = TrainerState(
@@ -365,12 +367,12 @@ class Trainer:
             drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc)
         try:
             self.last_checkpoint, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
-                                                    self.epoch_samples, self.hosts)
+                                                    self.epoch_samples, self.hosts, self.epoch_documents)
         except OSError as e:
             return self._checkpoint_failed(reason, e)
         self.checkpoint_failures_in_row = 0
         log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
-                 {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
+                 {k: meta[k] for k in AUDIT_KEYS})
         return True
 
     def _checkpoint_failed(self, reason: str, error: OSError) -> bool:
@@ -446,6 +448,7 @@ class Trainer:
         self.resumed_by_host = count_by_host(self.trained, self.epoch_sizes, self.hosts)
         self.trained_by_host = list(self.resumed_by_host)
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
+        self.epoch_documents = int(welcome.target.get("epoch_documents", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
 
     def _check_host(self, target: dict[str, Any]) -> None:
@@ -544,7 +547,8 @@ class Trainer:
 
     def _record(self, batch, out, lr: float, step_s: float, wait_s: float) -> None:
         self.trained.add(batch.seq)
-        self.trained_samples.setdefault(batch.epoch, []).append(batch.sample_ids.cpu().numpy().astype(np.int64))
+        self.trained_samples.setdefault(batch.epoch, []).append(
+            torch.stack([batch.sample_ids, batch.doc_ids], dim=1).cpu().numpy().astype(np.int64))
         self.epoch = max(self.epoch, batch.epoch)
         self.tokens += batch.num_tokens
         if out is None:

@@ -832,7 +832,13 @@ class PreparedDataset:
                             f"{meta.get('num_tokens')} tokens) disagree with the arrays ({n}, {total})")
 
     def __len__(self) -> int:
+        """Documents (a row the template renders as several, or split, counts once per document)."""
         return len(self.sample_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Source rows the documents come from (distinct sample ids)."""
+        return len(np.unique(self.sample_ids))
 
     @property
     def num_tokens(self) -> int:

@@ -130,7 +130,7 @@ def _slice_batch(batch: PackedBatch, start: int, length: int) -> PackedBatch:
     t = slice(start, start + length)
     return PackedBatch(hidden=batch.hidden[:, t], input_ids=batch.input_ids[t], loss_mask=batch.loss_mask[t],
                        position_ids=batch.position_ids[t], doc_lens=torch.tensor([length], dtype=torch.int32),
-                       sample_ids=batch.sample_ids[:1])
+                       sample_ids=batch.sample_ids[:1], doc_ids=batch.doc_ids[:1])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -83,7 +83,7 @@ def make_batch(doc_lens: list[int], k: int = 3, seed: int = 0, loss_mask: torch.
         input_ids=torch.randint(0, MASK, (t,), generator=g, dtype=torch.int32),
         loss_mask=torch.ones(t, dtype=torch.uint8) if loss_mask is None else loss_mask.to(torch.uint8),
         position_ids=document_positions(lens).to(torch.int32), doc_lens=lens,
-        sample_ids=torch.arange(len(doc_lens), dtype=torch.int64))
+        sample_ids=torch.arange(len(doc_lens), dtype=torch.int64), doc_ids=torch.arange(len(doc_lens), dtype=torch.int64))
     check_batch(batch)
     return batch
 

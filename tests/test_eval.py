@@ -148,7 +148,7 @@ def test_decode_block_sees_what_a_training_block_sees(target: ev.TargetModel, dr
                                loss_mask=torch.ones(len(ids), dtype=torch.uint8),
                                position_ids=torch.arange(len(ids), dtype=torch.int32),
                                doc_lens=torch.tensor([len(ids)], dtype=torch.int32),
-                               sample_ids=torch.zeros(1, dtype=torch.int64))
+                               sample_ids=torch.zeros(1, dtype=torch.int64), doc_ids=torch.zeros(1, dtype=torch.int64))
     blocks = build_blocks(trained_view, torch.tensor([anchor]), BLOCK, MASK_ID, gamma=4.0)
     with torch.no_grad():
         training = drafter(trained_view.hidden, blocks.block_input_ids, blocks)[0, 1:]

@@ -192,7 +192,7 @@ def test_the_readme_transformers_flow_on_a_real_target_matches_the_trainer(tmp_p
     batch = PackedBatch(hidden=torch.stack([planes[p] for p in range(len(planes))]),
                         input_ids=sequence[0].to(torch.int32), loss_mask=torch.ones(n, dtype=torch.uint8),
                         position_ids=torch.arange(n, dtype=torch.int32), doc_lens=torch.tensor([n], dtype=torch.int32),
-                        sample_ids=torch.zeros(1, dtype=torch.int64))
+                        sample_ids=torch.zeros(1, dtype=torch.int64), doc_ids=torch.zeros(1, dtype=torch.int64))
     blocks = build_blocks(batch, torch.tensor([t]), b, 127, 7.0)
     with torch.no_grad():
         want = trainer_model(batch.hidden, blocks.block_input_ids, blocks)

@@ -28,6 +28,16 @@ def test_the_epoch_audit_names_every_loss_and_every_duplicate() -> None:
     assert audit_epochs({"epoch": 0, "epoch_samples": 5})[0].startswith("the checkpoint carries no per-epoch")
 
 
+def test_the_epoch_audit_counts_documents_apart_from_the_rows_they_come_from() -> None:
+    # 10 rows the template renders as 14 documents: each trained once is no duplicate
+    info = {"epoch": 1, "epoch_samples": 10, "epoch_documents": 14, "epochs": {
+        "0": {"samples_trained": 10, "samples_duplicated": 0, "documents_trained": 14, "documents_duplicated": 0},
+        "1": {"samples_trained": 3, "samples_duplicated": 1, "documents_trained": 5, "documents_duplicated": 1}}}
+    assert audit_epochs(info) == ["epoch 1: 1 samples trained twice", "epoch 1: 1 documents trained twice"]
+    info["epochs"]["0"]["documents_trained"] = 13
+    assert audit_epochs(info)[0] == "epoch 0: 13 of 14 documents trained"
+
+
 def test_lifetime_trends_see_a_steady_climb_and_not_the_settling_minute() -> None:
     rows = [{"target": "target-1", "t": 1000.0 + s, "rss_mb": (900.0 if s < 60 else 500.0 + s / 36.0),
              "threads": 9, "fds": 20 + (s % 3), "ring_files": 1} for s in range(0, 1200, 2)]
@@ -58,7 +68,8 @@ def test_a_short_soak_takes_every_action_and_loses_nothing(tmp_path: Path) -> No
     info = result["checkpoint"]
     assert info["epoch"] >= 1 and info["samples_duplicated"] == 0
     # after all that, the finished epochs hold every sample once
-    assert all(info["epochs"][str(e)] == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0}
+    assert all(info["epochs"][str(e)] == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0,
+                                          "documents_trained": info["epoch_documents"], "documents_duplicated": 0}
                for e in range(info["epoch"]))
 
 
