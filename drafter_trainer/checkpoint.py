@@ -21,7 +21,6 @@ import os
 import shutil
 import dataclasses
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
