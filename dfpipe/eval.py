@@ -250,13 +250,20 @@ def chat_prompt_turns(row: Any) -> list[dict[str, Any]] | str:
 
 
 def _is_chat_file(path: str) -> bool:
-    """A Parquet file, or one whose first non-empty line starts a JSON value: chat rows; else text prompts."""
+    """Chat rows: a Parquet file, or one whose first non-empty line is a JSON object or array (or
+    opens one: a pretty-printed file); else text prompts, one a line ("[INST] ..." included)."""
     from target_server.data import read_lines
 
     if path.endswith(".parquet"):
         return True
     first = next((text for _, text, _ in read_lines(path) if text is None or text.strip()), None)
-    return first is not None and first.lstrip().startswith(("{", "["))
+    first = first.strip() if first is not None else None     # None: no line, or not UTF-8 (reported per line)
+    if first in ("{", "["):
+        return True
+    try:
+        return isinstance(json.loads(first), (dict, list)) if first else False
+    except ValueError:
+        return False
 
 
 def load_prompts(path: str, tokenizer: Any, limit: int = 0) -> Prompts:

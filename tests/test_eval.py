@@ -245,6 +245,21 @@ def test_cli_exports_load_and_exit_codes_follow_the_lossless_check(tmp_path: Any
     assert "drafter folder not found" in capsys.readouterr().err
 
 
+def test_cli_without_a_usable_prompt_says_what_is_wrong_with_the_file_and_the_fix(
+        tmp_path: Any, target_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    drafter_dir = str(tmp_path / "drafter")
+    export_drafter(make_drafter(target_dir), drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}]},
+                                   ensure_ascii=False).encode("latin-1") + b"\n")
+    assert ev.main(_cli_args(tmp_path, target_dir, drafter_dir, prompts=str(prompts))) == ev.EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2] == (f"dfpipe eval: no usable prompt in {prompts}: it is not UTF-8 and looks like Latin-1 "
+                       f"(ISO-8859-1) or Windows-1252 text; convert it: iconv -f latin1 -t utf-8 {prompts} > "
+                       f"{tmp_path / 'prompts.utf8.jsonl'}")
+    assert err[-1].startswith("  line 1: not UTF-8: byte ")
+
+
 def _config_only_target(path: Any, target_dir: str, **changes: Any) -> str:
     """A folder holding target_dir's config.json with `changes` applied (a key set to None is removed):
     what check_pairing reads, so a refusal must come before any weight is loaded."""
