@@ -181,10 +181,12 @@ def read_lines(path: str) -> Iterator[tuple[int, str | None, str]]:
             if number == 1:
                 raw = raw.removeprefix(UTF8_BOM)
             try:
-                yield number, raw.decode("utf-8"), ""
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield number, None, (f"not UTF-8: byte {e.start} is 0x{raw[e.start]:02x}; the line looks like "
                                      f"{_looks_like(raw)} text")
+                continue
+            yield number, text, ""
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, str]]:

@@ -246,7 +246,8 @@ def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: 
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "samples trained      2000 of 2000 (duplicated: 0)" in res.stdout
+    assert re.search(r"trained              samples 2,000/2,000 \(0 duplicated\), documents ([\d,]+)/\1 "
+                     r"\(0 duplicated\)", res.stdout), res.stdout[-3000:]
     assert "held-out eval        step " in res.stdout and " on 2 held-out batches" in res.stdout
     assert "/dev/shm left over   none" in res.stdout
     assert (out / "demo.png").stat().st_size > 10_000

@@ -21,10 +21,11 @@ width the CPU kernels pick. What the math gives instead:
   rounding step apart on either side of a rounding boundary: one eps of the narrow dtype,
   relative, on top. A path stored in the narrow dtype r times (under autocast every GEMM's and
   norm's output is rounded to bf16; `transformer_roundings` counts them) carries r such
-  independent roundings on each side, uniform within half a step: the two results differ by
-  sqrt(2r/3)·u per standard deviation, so eps·sqrt(r) is C = 2 and more of them (and exactly the
-  one step for r = 1). Once two runs differ at all, every later rounding may land apart too, so r
-  counts from the first operation the two runs compute differently to the compared value.
+  independent roundings on each side, each uniform within half a step: the two results differ by
+  sqrt(2r/3)·u = 0.41·sqrt(r)·eps per standard deviation, so eps·sqrt(r) allows more than C = 2 of
+  them (and is exactly the one step for r = 1). Once two runs differ at all, every later rounding
+  may land apart too, so r counts from the first operation the two runs compute differently to the
+  compared value.
 
 For a deep computation n is the number of terms summed along one output value's path (every
 reduction it passes through: a transformer layer's norms, projections, attention and MLP), so
@@ -89,7 +90,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm())
 
 
-def approx(expected: float | list[float], n: int = 1, dtype: torch.dtype = torch.float64):
+def approx(expected: float | list[float], n: int = 1, dtype: torch.dtype = torch.float64) -> object:
     """pytest.approx at `tol(n, dtype)` for numbers a test reads back (`.item()`, `.tolist()`): computed
     in `dtype` (float64: plain Python arithmetic) through an n-term reduction."""
     values = expected if isinstance(expected, (list, tuple)) else [expected]
