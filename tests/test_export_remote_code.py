@@ -248,7 +248,7 @@ def _readme_usage(target_dir: str, export_dir: str, max_new_tokens: int = NEW_TO
     output = draft.spec_generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=0.0, target=target,
                                  stop_token_ids=[tokenizer.eos_token_id])
     print(tokenizer.decode(output[0], skip_special_tokens=False))
-    prompt = input_ids["input_ids"] if "input_ids" in input_ids else input_ids
+    prompt = input_ids if isinstance(input_ids, torch.Tensor) else input_ids["input_ids"]   # transformers 5: a BatchEncoding
     return draft, target, tokenizer, prompt[0].tolist(), output
 
 
