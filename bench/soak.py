@@ -251,16 +251,20 @@ def audit_epochs(info: dict[str, Any]) -> list[str]:
     epochs = info.get("epochs")
     if not epochs:
         return [f"the checkpoint carries no per-epoch accounting: {sorted(info)}"]
-    current, size = int(info["epoch"]), int(info["epoch_samples"])
+    current = int(info["epoch"])
     for e in range(current + 1):
         stats = epochs.get(str(e))
         if stats is None:
             problems.append(f"epoch {e}: nothing trained")
             continue
-        if stats["samples_duplicated"]:
-            problems.append(f"epoch {e}: {stats['samples_duplicated']} samples trained twice")
-        if e < current and stats["samples_trained"] != size:
-            problems.append(f"epoch {e}: {stats['samples_trained']} of {size} samples trained")
+        # samples (source rows) and the documents they make; a checkpoint from before documents
+        # were counted has no documents to audit
+        for kind in ("samples", "documents"):
+            size, trained = info.get(f"epoch_{kind}"), stats.get(f"{kind}_trained")
+            if stats.get(f"{kind}_duplicated"):
+                problems.append(f"epoch {e}: {stats[f'{kind}_duplicated']} {kind} trained twice")
+            if e < current and trained is not None and size and trained != size:
+                problems.append(f"epoch {e}: {trained} of {size} {kind} trained")
     return problems
 
 

@@ -64,7 +64,7 @@ def synthetic_batch(tokens: int, docs: int, k: int, hidden: int, vocab: int, see
         hidden=torch.randn(k, tokens, hidden, generator=g).to(dtype),
         input_ids=torch.randint(0, vocab - 1, (tokens,), generator=g, dtype=torch.int32),
         loss_mask=loss_mask, position_ids=positions.to(torch.int32), doc_lens=lens,
-        sample_ids=torch.arange(docs, dtype=torch.int64))
+        sample_ids=torch.arange(docs, dtype=torch.int64), doc_ids=torch.arange(docs, dtype=torch.int64))
     check_batch(batch)
     return batch.to(device)
 

@@ -16,7 +16,10 @@ TOKEN_TENSORS: dict[str, torch.dtype] = {
     "position_ids": torch.int32,
     "doc_lens": torch.int32,
     "sample_ids": torch.int64,
+    "doc_ids": torch.int64,
 }
+# the token tensors with one entry per document (the others have one per token)
+DOC_TENSORS: tuple[str, ...] = ("doc_lens", "sample_ids", "doc_ids")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # every tensor of a slot's payload, in slot order
 PAYLOAD_TENSORS: tuple[str, ...] = ("hidden", *TOKEN_TENSORS)
@@ -35,7 +38,9 @@ class PackedBatch:
     loss_mask:    [T]        1 on assistant tokens (the tokens the drafter learns to predict)
     position_ids: [T]        restart at 0 in every document
     doc_lens:     [D]        sum == T
-    sample_ids:   [D]        stable id of the sample each document came from
+    sample_ids:   [D]        the sample (source row) each document came from: a row the template
+                             renders as several documents, or split, repeats its id
+    doc_ids:      [D]        each document's own index in the prepared data (unique within an epoch)
     """
 
     hidden: torch.Tensor
@@ -44,6 +49,7 @@ class PackedBatch:
     position_ids: torch.Tensor
     doc_lens: torch.Tensor
     sample_ids: torch.Tensor
+    doc_ids: torch.Tensor
     seq: int = -1
     epoch: int = -1
 
@@ -65,7 +71,7 @@ def slot_tensor_specs(num_tokens: int, num_docs: int, num_layers: int, hidden_si
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         ("hidden", hidden_dtype, (num_layers, num_tokens, hidden_size))]
     for name, dtype in TOKEN_TENSORS.items():
-        n = num_docs if name in ("doc_lens", "sample_ids") else num_tokens
+        n = num_docs if name in DOC_TENSORS else num_tokens
         specs.append((name, dtype, (n,)))
     return specs
 
@@ -88,8 +94,9 @@ def check_batch(batch: PackedBatch, num_layers: int | None = None, hidden_size: 
     for name in ("loss_mask", "position_ids"):
         if getattr(batch, name).shape[0] != t:
             raise BatchError(f"{name} has {getattr(batch, name).shape[0]} entries for {t} tokens")
-    if batch.sample_ids.shape[0] != batch.doc_lens.shape[0]:
-        raise BatchError("sample_ids and doc_lens differ in length")
+    for name in DOC_TENSORS[1:]:
+        if getattr(batch, name).shape[0] != batch.doc_lens.shape[0]:
+            raise BatchError(f"{name} and doc_lens differ in length")
     if t == 0 or batch.doc_lens.numel() == 0:
         raise BatchError("empty batch")
     lens = batch.doc_lens.to(torch.int64)

@@ -51,7 +51,7 @@ class TargetConfig:
     model: str = "builtin:tiny-qwen3.5"  # a local HF folder, or builtin:<name>
     tokenizer: str = ""                 # tokenizer folder when the model folder has none (builtin targets)
     cache_dir: str = ".cache/dfpipe"    # built-in targets and prepared data land here
-    layer_ids: list[int] = field(default_factory=list)  # empty: round(1 + i*(L-4)/(k-1))
+    layer_ids: list[int] = field(default_factory=list)  # empty: default_layer_ids(L, num_capture_layers)
     num_capture_layers: int = 5
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # one worker per device
     dtype: str = "auto"                 # auto: bf16 on cuda, fp32 on cpu
@@ -279,6 +279,12 @@ def validate(cfg: Config) -> Config:
          "drafter.layer_types: one entry per drafter layer")
     need("sliding_attention" not in cfg.drafter.layer_types or cfg.drafter.sliding_window > 0,
          "drafter.sliding_window: required when a layer is sliding_attention")
+    # A block's last token sits block_size - 1 positions after its anchor: a narrower window would
+    # hide the anchor (the one real token of the block) from it.
+    need(cfg.drafter.sliding_window == 0 or cfg.drafter.sliding_window >= cfg.drafter.block_size,
+         f"drafter.sliding_window ({cfg.drafter.sliding_window}) is smaller than drafter.block_size "
+         f"({cfg.drafter.block_size}): a block's last tokens could not see its anchor; set "
+         f"drafter.sliding_window to at least {cfg.drafter.block_size} (or 0: no sliding window)")
     need(1 <= cfg.train.epochs <= MAX_EPOCHS, f"train.epochs: 1 to {MAX_EPOCHS} (the protocol's plan of a run)")
     need(cfg.train.lr > 0, "train.lr: must be positive")
     need(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio: in [0, 1)")
@@ -342,9 +348,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
-    """DFlash capture layers: round(1 + i*(L-4)/(k-1)), e.g. [1,16,31,46,61] for L=64, k=5."""
+    """DFlash capture layers: round(1 + i*(L-4)/(k-1)), e.g. [1,16,31,46,61] for L=64, k=5; one layer
+    is the middle one, L // 2 (the published rule)."""
     if k == 1:
-        return [1]
+        return [num_layers // 2]
     ids = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
     if len(set(ids)) != k or ids[-1] >= num_layers:
         most = next(j for j in range(k - 1, 0, -1) if _places(num_layers, j))

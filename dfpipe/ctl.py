@@ -73,7 +73,7 @@ def summary_line(target: dict | None, trainer: dict | None) -> str:
     else:
         loss = trainer.get("loss")
         r = (f"trainer[{trainer.get('state')}] step {trainer.get('step')} epoch {trainer.get('epoch')} "
-             f"samples {trainer.get('samples_trained')}/{trainer.get('epoch_samples')} "
+             f"{audit_text(trainer)} "
              f"loss {loss if loss is None else round(loss, 4)} tok/s {trainer.get('tokens_per_s')}")
         ev = trainer.get("eval")
         if ev:
@@ -91,6 +91,14 @@ def _num(value: Any, fmt: str = "{:,.0f}") -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "-"
     return fmt.format(value)
+
+
+def audit_text(info: dict[str, Any]) -> str:
+    """The exactly-once audit of a trainer status or a checkpoint, as every view shows it: source rows
+    (samples) and the documents they make (a template that re-renders earlier turns, or a split,
+    makes several of one row), each trained of the epoch's, and how many of them twice."""
+    return ", ".join(f"{kind} {_num(info.get(f'{kind}_trained'))}/{_num(info.get(f'epoch_{kind}'))} "
+                     f"({_num(info.get(f'{kind}_duplicated'))} duplicated)" for kind in ("samples", "documents"))
 
 
 def _duration(seconds: Any) -> str:
@@ -189,8 +197,8 @@ def trainer_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
     failures = status.get("checkpoint_failures")
     rows = [
         _line(("step", _num(status.get("step"))), ("epoch", _num(status.get("epoch"))),
-              ("samples", f"{_num(status.get('samples_trained'))}/{_num(status.get('epoch_samples'))}"),
               ("rate", f"{_num(status.get('tokens_per_s'))} tok/s")),
+        _line(("trained", audit_text(status))),
         _line(("loss", _num(status.get("loss"), "{:.4f}")),
               ("tau", _num(status.get("implied_acceptance_length"), "{:.2f}")),
               ("eval tau", f"{_num(last_eval.get('tau'), '{:.2f}')} (step {_num(last_eval.get('step'))})"

@@ -30,7 +30,7 @@ from common.config import Config, load_config
 from common.liveness import STOP_WITH_ENV
 from common.metrics import RATE_WINDOW_S
 
-from .ctl import summary_line, try_status
+from .ctl import audit_text, summary_line, try_status
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -200,8 +200,7 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
     print("\n== dfpipe demo summary ==")
     print(f"wall time            {elapsed:.1f} s")
     print(f"checkpoint           {ckpt}")
-    print(f"samples trained      {info.get('samples_trained')} of {info.get('epoch_samples')} "
-          f"(duplicated: {info.get('samples_duplicated')})")
+    print(f"trained              {audit_text(info)}")
     print(f"trainer              step {info.get('step')}; at step {last.get('step')} (the plot's last point): "
           f"loss {_fmt(last.get('loss'), '.4f')}, {_fmt(last.get('tokens_per_s'), ',.0f')} tok/s "
           f"(its last {RATE_WINDOW_S:.0f} s)")

@@ -294,64 +294,84 @@ class Prompts:
     kind: str = "text"                  # "chat" (JSONL with messages) or "text" (one prompt per line)
 
 
-def chat_prompt_turns(row: Any) -> list[dict[str, str]] | str:
-    """The turns of a chat row before its first assistant turn (the prompt), or why the row is unusable."""
-    messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages:
-        return "no 'messages' list"
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-               for m in messages):
-        return "a message without string 'role' and 'content'"
+def prompt_turns(conversation: Any) -> list[dict[str, Any]] | str:
+    """The turns of a conversation before its first assistant turn (the prompt), or why it has none."""
     prefix = []
-    for m in messages:
+    for m in conversation.messages:
         if m["role"] == "assistant":
             break
-        prefix.append({"role": m["role"], "content": m["content"]})
+        prefix.append(m)
     if not any(m["role"] == "user" for m in prefix):
         return "no user turn before the first assistant turn"
     return prefix
 
 
-def load_prompts(path: str, tokenizer: Any, limit: int = 0) -> Prompts:
-    """Prompt token ids from a chat JSONL file or a text file (one prompt per line).
+def chat_prompt_turns(row: Any) -> list[dict[str, Any]] | str:
+    """The prompt turns of one chat row (OpenAI or ShareGPT, read as prepare-data reads it), or why the
+    row is unusable."""
+    from target_server.data import ROW_FORMATS, detect_format, parse_row
 
-    The file is chat JSONL when its first non-empty line is a JSON object with "messages"; each row
-    then gives the turns before its first assistant turn. A text line becomes one user turn. Both
-    are rendered with the tokenizer's chat template plus the generation prompt (raw text when the
-    tokenizer has no template). Unusable rows are skipped, counted and logged, never fatal.
+    fmt = detect_format(row) if isinstance(row, dict) else "openai"
+    if fmt is None:
+        return f"missing {' or '.join(map(repr, ROW_FORMATS.values()))}"
+    conversation, reason = parse_row(row, fmt, None, need_answer=False)
+    return reason if conversation is None else prompt_turns(conversation)
+
+
+def _is_chat_file(path: str) -> bool:
+    """Chat rows: a Parquet file, or one whose first non-empty line is a JSON object or array (or
+    opens one: a pretty-printed file); else text prompts, one a line ("[INST] ..." included)."""
+    from target_server.data import read_lines
+
+    if path.endswith(".parquet"):
+        return True
+    first = next((text for _, text, _ in read_lines(path) if text is None or text.strip()), None)
+    first = first.strip() if first is not None else None     # None: no line, or not UTF-8 (reported per line)
+    if first in ("{", "["):
+        return True
+    try:
+        return isinstance(json.loads(first), (dict, list)) if first else False
+    except ValueError:
+        return False
+
+
+def load_prompts(path: str, tokenizer: Any, limit: int = 0) -> Prompts:
+    """Prompt token ids from a chat file (JSONL or Parquet) or a text file (one prompt per line).
+
+    A chat file's rows are read and checked by prepare-data's own row parser (`ChatRows`: OpenAI
+    `messages` or ShareGPT `conversations`, a UTF-8 BOM accepted, control tokens refused), so every
+    row prepare-data accepts is a prompt here: the turns before its first assistant turn (a row
+    without an answer is a prompt too), with the row's tools. A text line becomes one user turn.
+    Both are rendered with the tokenizer's chat template plus the generation prompt (raw text when
+    the tokenizer has no template). Unusable rows are skipped, counted and logged, never fatal.
     """
+    from target_server.data import ChatRows, control_tokens, read_lines
+
     if not os.path.isfile(path):
         raise EvalError(f"prompts file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        lines = [(i + 1, line.rstrip("\n")) for i, line in enumerate(f) if line.strip()]
-    kind = "text"
-    if lines:
-        try:
-            first = json.loads(lines[0][1])
-            kind = "chat" if isinstance(first, dict) and "messages" in first else "text"
-        except ValueError:
-            pass
+    kind = "chat" if _is_chat_file(path) else "text"
     has_template = bool(getattr(tokenizer, "chat_template", None))
     result = Prompts([], [], kind=kind)
-    for line_no, line in lines:
+    rows: Any = (ChatRows(path, control_tokens=control_tokens(tokenizer), need_answer=False) if kind == "chat"
+                 else ((line, text, reason) for line, text, reason in read_lines(path) if text is None or text.strip()))
+    for line_no, item, reason in rows:
         if limit and len(result.token_ids) >= limit:
             break
-        if kind == "chat":
-            try:
-                turns = chat_prompt_turns(json.loads(line))
-            except ValueError as e:
-                turns = f"not JSON: {e}"
-            if isinstance(turns, str):
-                result.skipped.append((line_no, turns))
-                log.warning("prompts %s line %d skipped: %s", path, line_no, turns)
-                continue
-        else:
-            turns = [{"role": "user", "content": line}]
+        tools = None
+        if kind == "chat" and item is not None:
+            turns, tools = prompt_turns(item), item.tools
+            reason = turns if isinstance(turns, str) else ""
+        elif item is not None:
+            turns = [{"role": "user", "content": item}]
+        if reason:
+            result.skipped.append((line_no, reason))
+            log.warning("prompts %s line %d skipped: %s", path, line_no, reason)
+            continue
         if has_template:
-            ids = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=True,
+            ids = tokenizer.apply_chat_template(turns, tools=tools, tokenize=True, add_generation_prompt=True,
                                                 return_dict=True)["input_ids"]
         else:
-            ids = tokenizer(line, add_special_tokens=True)["input_ids"]
+            ids = tokenizer("\n".join(m["content"] for m in turns), add_special_tokens=True)["input_ids"]
         result.token_ids.append(list(ids))
         result.source_lines.append(line_no)
     return result
@@ -616,7 +636,10 @@ def main(args: argparse.Namespace) -> int:
             raise EvalError(f"cannot load the target's tokenizer from {args.target}: {e}") from e
         prompts = load_prompts(args.prompts, tokenizer, args.limit)
         if not prompts.token_ids:
-            raise EvalError(f"no usable prompt in {args.prompts} ({len(prompts.skipped)} skipped)")
+            from target_server.data import unusable_file_fix
+            fix = unusable_file_fix(args.prompts)
+            raise EvalError("\n".join([f"no usable prompt in {args.prompts}" + (f": {fix}" if fix else ""),
+                                       *(f"  line {line}: {reason}" for line, reason in prompts.skipped[:3])]))
     except EvalError as e:
         print(f"dfpipe eval: {e}", file=sys.stderr)
         return EXIT_USAGE

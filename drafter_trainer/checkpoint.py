@@ -40,7 +40,6 @@ import re
 import shutil
 import time
 import zipfile
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
@@ -139,18 +138,43 @@ def _private_root(out_dir: str) -> str:
     return root
 
 
-def sample_stats(trained_samples: dict[int, np.ndarray], epoch: int, epoch_samples: int) -> dict[str, int]:
-    """Exactly-once accounting for one epoch: distinct samples and samples seen more than once."""
-    ids = trained_samples.get(epoch, np.zeros(0, dtype=np.int64))
-    counts = Counter(ids.tolist())
-    return {"samples_trained": len(counts), "samples_duplicated": sum(1 for c in counts.values() if c > 1),
-            "epoch_samples": epoch_samples}
+# The exactly-once audit as every place shows it (status, inspect, the demo summary, top).
+AUDIT_KEYS = ("samples_trained", "samples_duplicated", "epoch_samples",
+              "documents_trained", "documents_duplicated", "epoch_documents")
+
+
+def trained_pairs(trained: np.ndarray) -> np.ndarray:
+    """[n, 2] (sample id, document id), one row per document an epoch trained. A checkpoint written
+    before documents were counted holds sample ids alone: their document ids read as -1 (unknown)."""
+    trained = np.asarray(trained, dtype=np.int64)
+    if trained.ndim == 2:
+        return trained
+    return np.stack([trained, np.full_like(trained, -1)], axis=1)
+
+
+def sample_stats(trained_samples: dict[int, np.ndarray], epoch: int, epoch_samples: int,
+                 epoch_documents: int = 0) -> dict[str, int]:
+    """Exactly-once accounting for one epoch, of samples (source rows) and of documents (what the
+    target computes: a template that re-renders earlier turns, or a split, makes several of one
+    row). A document trained more than once is duplicated, and so is its sample; a sample's several
+    documents trained once each are not. Documents of unknown id (-1, see `trained_pairs`) count
+    as trained, never as duplicated."""
+    pairs = trained_pairs(trained_samples.get(epoch, np.zeros((0, 2), dtype=np.int64)))
+    known = pairs[pairs[:, 1] >= 0]
+    docs, counts = np.unique(known[:, 1], return_counts=True)
+    twice = docs[counts > 1]
+    return {"samples_trained": len(np.unique(pairs[:, 0])),
+            "samples_duplicated": len(np.unique(known[np.isin(known[:, 1], twice), 0])),
+            "epoch_samples": epoch_samples,
+            "documents_trained": len(docs) + int((pairs[:, 1] < 0).sum()),
+            "documents_duplicated": len(twice),
+            "epoch_documents": epoch_documents}
 
 
 def epoch_stats(trained_samples: dict[int, np.ndarray]) -> dict[str, dict[str, int]]:
     """The same accounting for every epoch the run has trained from, so a run of many epochs (and
     restarts) can be audited from its last checkpoint alone. String keys: it goes into JSON."""
-    return {str(e): {k: v for k, v in sample_stats(trained_samples, e, 0).items() if k != "epoch_samples"}
+    return {str(e): {k: v for k, v in sample_stats(trained_samples, e, 0).items() if not k.startswith("epoch_")}
             for e in sorted(trained_samples)}
 
 
@@ -628,7 +652,7 @@ def _verify_legacy(path: str) -> Verified:
         raise disagree(f"step: meta.json {meta.get('step')!r}, state.pt {state.get('step')!r}")
     epoch = meta.get("epoch", 0)
     for k, v in sample_stats(samples, epoch, 0).items():
-        if k in meta and k != "epoch_samples" and meta[k] != v:
+        if k in meta and not k.startswith("epoch_") and meta[k] != v:
             raise disagree(f"{k}: meta.json {meta[k]!r}, the sample ids give {v}")
     if "epochs" in meta and meta["epochs"] != epoch_stats(samples):
         raise disagree("epochs: the per-epoch counts are not what the sample ids give")
@@ -650,7 +674,7 @@ class TrainerState:
     step: int
     epoch: int
     have: SeqSet                                  # batch seqs whose effect is in the weights (every host's)
-    trained_samples: dict[int, np.ndarray]        # sample ids trained, per epoch
+    trained_samples: dict[int, np.ndarray]        # per epoch, (sample id, document id) per document trained
     sample_seqs: dict[int, np.ndarray] | None = None   # the batch seq of each of those (None: all -1)
     unattributed: SeqSet = dataclasses.field(default_factory=SeqSet)   # the seqs of the -1 ones
     skipped_steps: int = 0
@@ -664,7 +688,8 @@ class TrainerState:
     split_fc: bool = False
     target_precision: str = ""                    # what the target ran in (fp8-block, bf16, ...; "": not recorded)
 
-    def save(self, out_dir: str, keep: int, reason: str, epoch_samples: int, num_hosts: int = 1) -> tuple[str, dict]:
+    def save(self, out_dir: str, keep: int, reason: str, epoch_samples: int, num_hosts: int = 1,
+             epoch_documents: int = 0) -> tuple[str, dict]:
         """Write it atomically, with its manifest (save_checkpoint); its path and meta. OSError
         when the write fails."""
         state = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
@@ -676,7 +701,7 @@ class TrainerState:
         meta = {"format": FORMAT, "step": self.step, "epoch": self.epoch, "have": have, "reason": reason,
                 "plan": self.plan, "config_hash": self.config_hash, "skipped_steps": self.skipped_steps,
                 "target_precision": self.target_precision,
-                "time": time.time(), **sample_stats(self.trained_samples, self.epoch, epoch_samples),
+                "time": time.time(), **sample_stats(self.trained_samples, self.epoch, epoch_samples, epoch_documents),
                 "epochs": epoch_stats(self.trained_samples), "epoch_sizes": sizes,
                 "cluster": cluster_accounting(count_by_host(self.have, sizes, num_hosts), sizes)}
         facts = {"step": self.step, "epoch": self.epoch, "have": have,
@@ -798,8 +823,8 @@ def inspect(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"path": os.path.abspath(path), "verified": verdict}
     if not isinstance(meta, dict):
         return out
-    out.update({k: meta[k] for k in ("step", "epoch", "samples_trained", "samples_duplicated", "epoch_samples",
-                                     "epochs", "cluster", "config_hash", "skipped_steps", "time") if k in meta})
+    out.update({k: meta[k] for k in ("step", "epoch", *AUDIT_KEYS, "epochs", "cluster", "config_hash", "skipped_steps",
+                                     "time") if k in meta})
     try:
         out["batches"] = len(SeqSet.from_wire(meta.get("have"), max_ranges=1 << 62))
     except ProtocolError:

@@ -1,4 +1,5 @@
-"""The DFlash drafter for Transformers' `trust_remote_code` path (imports torch and transformers only).
+"""The DFlash drafter for Transformers' `trust_remote_code` path (imports torch, transformers and the
+standard library only).
 
 dfpipe copies this file verbatim into every export folder; config.json names it in `auto_map`, so
 
@@ -29,15 +30,60 @@ Who attends to whom, for block n with anchor position a = position_ids[n, 0]:
     block token       when it is in the same block (bidirectional inside the block)
     sliding_attention layers additionally: 0 <= query position - key position < sliding_window
 One sequence at serve time needs no sequence ids: all context tokens precede the anchor.
+
+The reference loader's API (DFlash's own `model.py`, whose README usage runs on this export):
+
+    output = draft.spec_generate(input_ids=input_ids, max_new_tokens=2048, temperature=0.0, target=target,
+                                 stop_token_ids=[tokenizer.eos_token_id])     # [1, prompt + new tokens]
+    hidden = draft(target_hidden=ctx [1, T, k*H], noise_embedding=[1, B, H] (block tokens through the target's
+                   embedding), position_ids=[1, T + B] (the context's, then the block's),
+                   past_key_values=DynamicCache | None, use_cache=...)   -> [1, B, H]
+    logits = draft.compute_logits(hidden, target.get_output_embeddings())
+
+With a cache, each call appends its context's and block's keys and values and attends to all it
+holds (the earlier context, at the positions just before this call's); the caller crops the
+block's entries away before the next call (`cache.crop(-B)`), as the reference's loop does.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
 SET_TARGET = "set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings())"
+
+
+def _weight(module_or_tensor: nn.Module | torch.Tensor) -> torch.Tensor:
+    return (module_or_tensor.weight if isinstance(module_or_tensor, nn.Module) else module_or_tensor).detach()
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep a cache's first `length` positions (a negative crop removes from the end, in every
+    transformers release that has one)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers (a CausalLM's `model.layers`, or its language model's)."""
+    base = getattr(target, "model", target)
+    base = getattr(base, "language_model", base)
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise ValueError(f"DFlash drafter: cannot find the decoder layers of {type(target).__name__}")
+    return base.layers
+
+
+def _target_cache(target: nn.Module) -> DynamicCache | None:
+    """A KV cache for the target when a rejected draft can be cropped out of it: full attention
+    layers only. A hybrid target (Gated DeltaNet's recurrent state, sliding windows) is run over the
+    whole sequence at every step instead."""
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    types = getattr(text, "layer_types", None)
+    return DynamicCache() if not types or set(types) == {"full_attention"} else None
 
 
 class DFlashRMSNorm(nn.Module):
@@ -112,6 +158,7 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.sliding_window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
@@ -124,7 +171,7 @@ class DFlashAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
         q_len, ctx_len = hidden_states.shape[0], context.shape[0]
         q_cos, q_sin, k_cos, k_sin = rope
         q = self.q_norm(self.q_proj(hidden_states).view(q_len, self.num_heads, self.head_dim))
@@ -135,6 +182,9 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(k.view(ctx_len + q_len, self.num_kv_heads, self.head_dim))
         v = v.view(ctx_len + q_len, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, q_cos, q_sin).to(v.dtype), apply_rope(k, k_cos, k_sin).to(v.dtype)
+        if cache is not None:   # the earlier context's keys and values first, then this call's
+            k, v = (x.squeeze(0).transpose(0, 1) for x in cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                                        self.layer_idx))
 
         groups = self.num_heads // self.num_kv_heads
         q = q.transpose(0, 1).unsqueeze(0)                                      # [1, heads, N*B, d]
@@ -168,8 +218,9 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
-                rope: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, rope, mask)
+                rope: tuple[torch.Tensor, ...], mask: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, rope, mask,
+                                                       cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -205,6 +256,15 @@ class DFlashDraftModel(PreTrainedModel):
         self.post_init()
 
     # -- the target's embedding and head -------------------------------------------------------
+    def _target_matrix(self, name: str, module_or_tensor: nn.Module | torch.Tensor) -> torch.Tensor:
+        """The target's [V, H] embedding or head, refused when its shape is not this drafter's."""
+        w = _weight(module_or_tensor)
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(w.shape) != shape:
+            raise ValueError(f"DFlash drafter: the target's {name} has shape {tuple(w.shape)}, "
+                             f"this drafter needs {list(shape)} (is it the target it was trained for?)")
+        return w
+
     def set_target_embeddings(self, embed_tokens: nn.Module | torch.Tensor,
                               lm_head: nn.Module | torch.Tensor | None = None) -> None:
         """Use the target's token embedding and output head (modules or [V, H] weights).
@@ -212,15 +272,8 @@ class DFlashDraftModel(PreTrainedModel):
         E.g. `draft.set_target_embeddings(target.get_input_embeddings(), target.get_output_embeddings())`.
         lm_head None: the target ties its head to the embedding.
         """
-        shape = (self.config.vocab_size, self.config.hidden_size)
-        weights = []
-        for name, w in (("embed_tokens", embed_tokens), ("lm_head", lm_head if lm_head is not None else embed_tokens)):
-            w = w.weight if isinstance(w, nn.Module) else w
-            if tuple(w.shape) != shape:
-                raise ValueError(f"DFlash drafter: the target's {name} has shape {tuple(w.shape)}, "
-                                 f"this drafter needs {list(shape)} (is it the target it was trained for?)")
-            weights.append(w.detach())
-        self._target_embed, self._target_lm_head = weights
+        self._target_embed = self._target_matrix("embed_tokens", embed_tokens)
+        self._target_lm_head = self._target_matrix("lm_head", lm_head if lm_head is not None else embed_tokens)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._target_embed is None:
@@ -233,29 +286,37 @@ class DFlashDraftModel(PreTrainedModel):
                              f"outside the {vocab}-token vocabulary")
         return F.embedding(input_ids, self._target_embed)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits through the target's lm_head."""
-        if self._target_lm_head is None:
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       output_head: nn.Module | torch.Tensor | None = None) -> torch.Tensor:
+        """Logits through the target's lm_head: `output_head` (the reference loader passes
+        `target.get_output_embeddings()`), else the one `set_target_embeddings` gave."""
+        head = self._target_matrix("lm_head", output_head) if output_head is not None else self._target_lm_head
+        if head is None:
             raise RuntimeError(f"DFlash drafter: the export has no lm_head, it is the target's: "
-                               f"call {SET_TARGET} first")
-        return F.linear(hidden_states.to(self._target_lm_head.dtype), self._target_lm_head)
+                               f"call {SET_TARGET} first, or pass the target's output head")
+        return F.linear(hidden_states.to(head.dtype), head)
 
     # -- forward -------------------------------------------------------------------------------
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """[T, k*H] or [k, T, H] captured target states -> [T, H] = hidden_norm(fc(concatenation))."""
+        """[T, k*H], [1, T, k*H] or [k, T, H] captured target states -> [T, H] = hidden_norm(fc(concatenation))."""
         k, h = len(self.target_layer_ids), self.config.hidden_size
-        if target_hidden.dim() == 3 and target_hidden.shape[0] == k and target_hidden.shape[2] == h:
+        if target_hidden.dim() == 3 and target_hidden.shape[0] == 1 and target_hidden.shape[2] == k * h:
+            target_hidden = target_hidden[0]            # the reference loader's batch of one
+        elif target_hidden.dim() == 3 and target_hidden.shape[0] == k and target_hidden.shape[2] == h:
             target_hidden = target_hidden.permute(1, 0, 2).reshape(target_hidden.shape[1], k * h)
-        elif not (target_hidden.dim() == 2 and target_hidden.shape[1] == k * h):
+        if not (target_hidden.dim() == 2 and target_hidden.shape[1] == k * h):
             raise ValueError(f"DFlash drafter: target_hidden has shape {tuple(target_hidden.shape)}, expected "
-                             f"[T, {k * h}] or [{k}, T, {h}] (target layers {self.target_layer_ids})")
+                             f"[T, {k * h}], [1, T, {k * h}] or [{k}, T, {h}] (target layers {self.target_layer_ids})")
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
     def forward(self, target_hidden: torch.Tensor, position_ids: torch.Tensor,
                 input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 context_position_ids: torch.Tensor | None = None,
                 context_sequence_ids: torch.Tensor | None = None,
-                block_sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+                block_sequence_ids: torch.Tensor | None = None, *,
+                noise_embedding: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: DynamicCache | None = None, use_cache: bool = False,
+                is_causal: bool = False) -> torch.Tensor:
         """[N, B, H] hidden states of N blocks of B tokens after the final norm.
 
         target_hidden         [T, k*H] or [k, T, H]: the target's hidden states at target_layer_ids
@@ -266,7 +327,25 @@ class DFlashDraftModel(PreTrainedModel):
         context_position_ids  [T]: position of each context token (default 0..T-1).
         context_sequence_ids  [T] and block_sequence_ids [N]: which packed sequence each context
                               token and each block belongs to (default: all one sequence).
+
+        The reference loader's keywords (module docstring) describe one sequence and one block:
+        noise_embedding [1, B, H] for inputs_embeds, target_hidden [1, T, k*H], position_ids
+        [1, T + B], past_key_values (its earlier context) and use_cache, which it needs not: a cache
+        passed is used. attention_mask must stay None and is_causal False (the mask is the rule above).
         """
+        if attention_mask is not None or is_causal:
+            raise ValueError("DFlash drafter: it builds its own attention mask (the block sees its context and "
+                             "itself, both ways): pass attention_mask=None and is_causal=False")
+        if noise_embedding is not None:
+            if input_ids is not None or inputs_embeds is not None:
+                raise ValueError("DFlash drafter: pass noise_embedding or input_ids / inputs_embeds, not both")
+            b = noise_embedding.shape[1] if noise_embedding.dim() == 3 else 0
+            t = position_ids.shape[-1] - b
+            if not b or noise_embedding.shape[0] != 1 or position_ids.shape != (1, t + b) or t < 0:
+                raise ValueError(f"DFlash drafter: noise_embedding {tuple(noise_embedding.shape)} and position_ids "
+                                 f"{tuple(position_ids.shape)}: expected [1, B, H] and [1, T + B] (the context's "
+                                 "positions, then the block's)")
+            inputs_embeds, context_position_ids, position_ids = noise_embedding, position_ids[0, :t], position_ids[:, t:]
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("DFlash drafter: pass exactly one of input_ids and inputs_embeds")
         embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -286,17 +365,105 @@ class DFlashDraftModel(PreTrainedModel):
         if context_position_ids.shape != (t,) or context_sequence_ids.shape != (t,) or block_sequence_ids.shape != (n,):
             raise ValueError(f"DFlash drafter: context_position_ids / context_sequence_ids must be [{t}], "
                              f"block_sequence_ids [{n}]")
+        cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cached and (n != 1 or bool(context_sequence_ids.any())):
+            raise ValueError("DFlash drafter: past_key_values holds one sequence's context: one block, no sequence ids")
 
         query_pos = position_ids.reshape(-1)
-        key_pos = torch.cat([context_position_ids.to(query_pos.dtype), query_pos])
+        context_position_ids = context_position_ids.to(query_pos.dtype)
+        key_pos = torch.cat([context_position_ids, query_pos])
         cfg = self.config
         rope = (*rope_cos_sin(query_pos, cfg.head_dim, self.rope_theta),
                 *rope_cos_sin(key_pos, cfg.head_dim, self.rope_theta))
+        if cached:   # the cache's context sits at the positions just before this call's first
+            first = context_position_ids[0] if t else query_pos[0]
+            context_position_ids = torch.cat([first - cached + torch.arange(cached, device=device), context_position_ids])
+            context_sequence_ids = torch.zeros(cached + t, dtype=torch.long, device=device)
         masks = {w: dflash_attention_mask(context_position_ids, context_sequence_ids, position_ids,
                                           block_sequence_ids, w)
                  for w in {layer.self_attn.sliding_window for layer in self.layers}}
 
         hidden_states = embeds.reshape(n * b, -1).to(self.fc.weight.dtype)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, context, rope, masks[layer.self_attn.sliding_window])
+            hidden_states = layer(hidden_states, context, rope, masks[layer.self_attn.sliding_window], past_key_values)
         return self.norm(hidden_states).view(n, b, -1)
+
+    # -- the reference loader's decoding loop ------------------------------------------------------
+    @torch.no_grad()
+    def spec_generate(self, target: nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0, *, mask_token_id: int | None = None) -> torch.Tensor:
+        """DFlash speculative decoding of one prompt with `target`, greedy: [1, P + n], the prompt and
+        what the target's plain greedy decoding generates, token for token (lossless), cut after the
+        first stop token (kept) or at max_new_tokens.
+
+        Each step drafts one block at the newest verified token (this model, its context the
+        target's captured layers so far), runs the target once over it, keeps the drafts equal to the
+        target's own choices and takes the target's next choice after them. The target keeps a KV
+        cache when every layer is full attention (cropped past rejected drafts); a hybrid target is
+        recomputed over the whole sequence each step. input_ids may be the BatchEncoding that
+        `apply_chat_template(..., return_tensors="pt")` returns. top_p and top_k matter only when
+        sampling, which this export does not do: temperature must be 0.
+        """
+        if temperature > 0:
+            raise ValueError(f"DFlash drafter: spec_generate decodes greedily (temperature=0.0), got temperature "
+                             f"{temperature}; sample with a serving engine (SGLang, vLLM)")
+        if not isinstance(input_ids, torch.Tensor) and "input_ids" in input_ids:
+            input_ids = input_ids["input_ids"]
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+            raise ValueError(f"DFlash drafter: input_ids {tuple(input_ids.shape)}: one prompt, [1, P] with P >= 1")
+        self.eval()
+        embed = self._target_matrix("embed_tokens", target.get_input_embeddings())
+        head = self._target_matrix("lm_head", target.get_output_embeddings())
+        mask = self.mask_token_id if mask_token_id is None else int(mask_token_id)
+        stop = {int(i) for i in stop_token_ids or []}
+        device = embed.device
+        captured: dict[int, torch.Tensor] = {}
+        layers = _decoder_layers(target)
+        hooks = [layers[layer].register_forward_hook(
+            lambda _m, _a, out, plane=plane: captured.__setitem__(plane, (out[0] if isinstance(out, tuple) else out)[0]))
+            for plane, layer in enumerate(self.target_layer_ids)]
+        target_cache, draft_cache = _target_cache(target), DynamicCache()
+        # transformers renames the cache argument (`past_key_values`, then `cache`)
+        cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        cache_kwarg = {cache_name: target_cache} if target_cache is not None else {}
+
+        def verify(sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+            """The target over the positions its cache lacks: (logits, captured context [L, k*H], first position)."""
+            first = target_cache.get_seq_length() if target_cache is not None else 0
+            ids = torch.tensor([sequence[first:]], device=device)
+            logits = target(input_ids=ids, position_ids=torch.arange(first, len(sequence), device=device)[None],
+                            use_cache=target_cache is not None, **cache_kwarg).logits[0]
+            return logits, torch.cat([captured[p] for p in range(len(self.target_layer_ids))], dim=-1), first
+
+        try:
+            prompt = input_ids[0].tolist()
+            logits, context, _ = verify(prompt)
+            out = [int(logits[-1].argmax())]
+            while out[-1] not in stop and len(out) < max_new_tokens:
+                anchor = len(prompt) + len(out) - 1                  # the newest verified token's position
+                block = torch.full((1, self.block_size), mask, device=device)
+                block[0, 0] = out[-1]
+                hidden = self(target_hidden=context[None], noise_embedding=F.embedding(block, embed),
+                              position_ids=torch.arange(anchor - len(context), anchor + self.block_size,
+                                                        device=device)[None],
+                              past_key_values=draft_cache, use_cache=True)
+                _crop(draft_cache, anchor)                           # the block's keys go; the context stays
+                draft = self.compute_logits(hidden[0, 1:], head).argmax(-1).tolist()
+                logits, features, first = verify(prompt + out + draft)
+                choices = logits[anchor - first:].argmax(-1).tolist()   # the target's token after anchor + i
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == choices[accepted]:
+                    accepted += 1
+                out += draft[:accepted] + [choices[accepted]]
+                context = features[anchor - first:anchor - first + accepted + 1]   # the verified positions
+                if target_cache is not None:
+                    _crop(target_cache, anchor + accepted + 1)          # the rejected drafts go
+                if any(t in stop for t in out[-(accepted + 1):]):
+                    break
+        finally:
+            for hook in hooks:
+                hook.remove()
+        out = out[:max_new_tokens]
+        cut = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))
+        return torch.cat([input_ids, torch.tensor([out[:cut]], dtype=input_ids.dtype, device=input_ids.device)], dim=1)

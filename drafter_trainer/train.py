@@ -56,8 +56,8 @@ from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
-from .checkpoint import (FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir, plan_changes,
-                         resume_checkpoint, sample_stats, sweep_partial)
+from .checkpoint import (AUDIT_KEYS, FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir,
+                         plan_changes, resume_checkpoint, sample_stats, sweep_partial, trained_pairs)
 from .control import TrainerControl, TrainerFlags
 from .devices import use_device
 from .export import ExportError, export_drafter
@@ -262,7 +262,7 @@ class Trainer:
         self.resumed: TrainerState | None = None    # the checkpoint resumed, until _take_drafter restores it
         self.resumed_plan: dict[str, Any] = {}      # the data plan of the checkpoint's `have` ({}: none recorded)
         self.resumed_batches = 0
-        self.trained_samples: dict[int, list[np.ndarray]] = {}   # sample ids, per epoch, a batch an array
+        self.trained_samples: dict[int, list[np.ndarray]] = {}   # per epoch: [D, 2] (sample id, document id)
         self.sample_seqs: dict[int, list[np.ndarray]] = {}       # the batch seq of each of them (-1: unattributed)
         self.unattributed = SeqSet()                # seqs of samples resumed from a checkpoint before seqs
         self.last_loss = float("nan")
@@ -274,7 +274,8 @@ class Trainer:
         self.anchors = 0                            # blocks supervised by this process's steps
         self.target_dir = ""                        # the target server's model folder (WELCOME)
         self.target_precision = ""                  # how the target runs (WELCOME): fp8-block, bf16, ...
-        self.epoch_samples = 0
+        self.epoch_samples = 0                      # source rows of an epoch (WELCOME)
+        self.epoch_documents = 0                    # and the documents they make
         self.total_batches = 1
         self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
         self.hosts = cfg.cluster.num_hosts
@@ -291,7 +292,7 @@ class Trainer:
 
     # status is read by the control thread: only plain values
     def status(self) -> dict[str, Any]:
-        stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples)
+        stats = sample_stats(self._samples_by_epoch(), self.epoch, self.epoch_samples, self.epoch_documents)
         feed = self.feed
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
@@ -314,7 +315,7 @@ class Trainer:
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
 
     def _samples_by_epoch(self) -> dict[int, np.ndarray]:
-        return {e: np.concatenate(v) if v else np.zeros(0, np.int64) for e, v in self.trained_samples.items()}
+        return {e: np.concatenate(v) if v else np.zeros((0, 2), np.int64) for e, v in self.trained_samples.items()}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> SeqSet:
@@ -346,7 +347,7 @@ class Trainer:
         # on rank 0 only: a checkpoint gathers every rank's samples, so a copy on each rank would
         # count every resumed sample once per rank (duplicated)
         if self.ranks.rank == 0:
-            self.trained_samples = {e: [v] for e, v in r.trained_samples.items()}
+            self.trained_samples = {e: [trained_pairs(v)] for e, v in r.trained_samples.items()}
             self.sample_seqs = {e: [v] for e, v in (r.sample_seqs or {}).items()}
             self.unattributed = r.unattributed.copy()
         self.last_checkpoint, self.last_checkpoint_batches = path, len(self.trained)
@@ -374,7 +375,7 @@ class Trainer:
                 e: (np.concatenate(ids).tolist(), np.concatenate(self.sample_seqs[e]).tolist())
                 for e, ids in self.trained_samples.items() if ids}))
             have = SeqSet()
-            samples: dict[int, list[int]] = {}
+            samples: dict[int, list[list[int]]] = {}   # per epoch, [sample id, document id] per document
             seqs: dict[int, list[int]] = {}
             for wire, by_epoch in parts:
                 have.update(SeqSet.from_wire(wire, max_ranges=1 << 62))
@@ -389,7 +390,8 @@ class Trainer:
                 self.feed.commit(restrict_to_host(have, self.epoch_sizes, c.num_hosts, c.host_rank), self.step)
             return saved
 
-    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[int]], seqs: dict[int, list[int]]) -> bool:
+    def _save(self, reason: str, have: SeqSet, samples: dict[int, list[list[int]]],
+              seqs: dict[int, list[int]]) -> bool:
         """Rank 0: write the checkpoint of the union `have`; False when the save failed."""
         trainable = {k: v for k, v in self.model.state_dict().items() if k in self.trainable_names}
         state = TrainerState(
@@ -403,13 +405,13 @@ class Trainer:
             target_precision=self.target_precision)
         try:
             self.last_checkpoint, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
-                                                    self.epoch_samples, self.hosts)
+                                                    self.epoch_samples, self.hosts, self.epoch_documents)
         except OSError as e:
             return self._checkpoint_failed(reason, e)
         self.checkpoint_failures_in_row = 0
         self.last_checkpoint_batches = len(have)
         log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
-                 {k: meta[k] for k in ("samples_trained", "samples_duplicated", "epoch_samples")})
+                 {k: meta[k] for k in AUDIT_KEYS})
         return True
 
     def _checkpoint_failed(self, reason: str, error: OSError) -> bool:
@@ -485,6 +487,7 @@ class Trainer:
         self.resumed_by_host = count_by_host(self.trained, self.epoch_sizes, self.hosts)
         self.trained_by_host = list(self.resumed_by_host)
         self.epoch_samples = int(welcome.target.get("epoch_samples", 0))
+        self.epoch_documents = int(welcome.target.get("epoch_documents", 0))
         self.target_dir = str(welcome.target.get("model_path") or "")   # the export records which target
         self.target_precision = str(welcome.target.get("precision") or "")   # and what precision it ran in
         before = self.resumed.target_precision if self.resumed is not None else ""
@@ -591,9 +594,9 @@ class Trainer:
 
     def _record(self, batch, out, lr: float, step_s: float, wait_s: float, step_tokens: int) -> None:
         self.trained.add(batch.seq)
-        ids = batch.sample_ids.cpu().numpy().astype(np.int64)
-        self.trained_samples.setdefault(batch.epoch, []).append(ids)
-        self.sample_seqs.setdefault(batch.epoch, []).append(np.full(len(ids), batch.seq, np.int64))
+        pairs = torch.stack([batch.sample_ids, batch.doc_ids], dim=1).cpu().numpy().astype(np.int64)
+        self.trained_samples.setdefault(batch.epoch, []).append(pairs)
+        self.sample_seqs.setdefault(batch.epoch, []).append(np.full(len(pairs), batch.seq, np.int64))
         self.epoch = max(self.epoch, batch.epoch)
         if out is None:
             return

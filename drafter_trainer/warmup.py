@@ -59,6 +59,7 @@ def random_batch(model: DFlashDraftModel, tokens: int, device: torch.device, hid
         position_ids=torch.cat([torch.arange(int(n)) for n in lens]).to(device),
         doc_lens=lens.to(device),
         sample_ids=torch.arange(docs, device=device),
+        doc_ids=torch.arange(docs, device=device),
     )
 
 

@@ -51,7 +51,10 @@ row) index (stable across re-preparation, whatever else changes in the file belo
 
 No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
 both counted) or listed in the report with its line number and the reason; a source without a
-single usable row is an error.
+single usable row is an error that first says what is wrong with the file, when its first bytes
+show it (a JSON array, Latin-1 or UTF-16 text, gzip), and the command that fixes it, then the first
+rows' own reasons. A UTF-8 byte-order mark at the start of a file is accepted. `dfpipe eval` reads
+its chat prompts through the same reader and parser (`ChatRows`).
 """
 from __future__ import annotations
 
@@ -157,20 +160,43 @@ class PrepareReport:
 # Reading rows: JSONL lines or Parquet rows -> objects, or the reason one is unusable
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, str]]:
-    """(1-based line, object, "") or (line, None, reason). Binary on purpose: only b'\\n' ends a row
-    (text mode would also split at a lone '\\r', shifting every later line number)."""
+UTF8_BOM = b"\xef\xbb\xbf"   # what Windows editors write at the start of a "UTF-8" file
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _looks_like(raw: bytes) -> str:
+    """The encoding bytes that are not UTF-8 most likely are: UTF-16 (a BOM or NUL bytes), else Latin-1
+    (any byte string decodes as Latin-1; Windows-1252 differs only in printable 0x80-0x9f)."""
+    return "UTF-16" if raw.startswith(UTF16_BOMS) or b"\x00" in raw else "Latin-1 (or Windows-1252)"
+
+
+def read_lines(path: str) -> Iterator[tuple[int, str | None, str]]:
+    """(1-based line, text, "") or (line, None, reason) for each line of a UTF-8 text file; a UTF-8
+    BOM at the start of the file is dropped. Binary on purpose: only b'\\n' ends a line (text mode
+    would also split at a lone '\\r', shifting every later line number)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             raw = raw.rstrip(b"\r\n")
+            if number == 1:
+                raw = raw.removeprefix(UTF8_BOM)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield number, None, f"not UTF-8: byte {e.start}"
+                yield number, None, (f"not UTF-8: byte {e.start} is 0x{raw[e.start]:02x}; the line looks like "
+                                     f"{_looks_like(raw)} text")
                 continue
-            if not text.strip():
-                yield number, None, "empty line"
-                continue
+            yield number, text, ""
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, str]]:
+    """(1-based line, object, "") or (line, None, reason)."""
+    for number, text, reason in read_lines(path):
+        if text is None:
+            yield number, None, reason
+        elif not text.strip():
+            yield number, None, "empty line"
+        else:
             try:
                 yield number, json.loads(text), ""
             except json.JSONDecodeError as e:
@@ -206,9 +232,49 @@ def _source_rows(path: str) -> Iterator[tuple[int, Any, str]]:
     return _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
 
 
-def _row_format(row: dict[str, Any]) -> str | None:
+def detect_format(row: dict[str, Any]) -> str | None:
     """The format whose key the row holds (a null value does not count)."""
     return next((fmt for fmt, key in ROW_FORMATS.items() if row.get(key) is not None), None)
+
+
+def _fixed_name(path: str, tag: str) -> str:
+    return f"{os.path.splitext(path)[0]}.{tag}.jsonl"
+
+
+def unusable_file_fix(path: str) -> str:
+    """What is wrong with a chat file none of whose rows is usable, and the command that fixes it,
+    judged from its first bytes ("" when nothing stands out: the rows' own reasons say it)."""
+    if path.endswith(".parquet"):
+        return ""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if head.startswith(GZIP_MAGIC):
+        return f"it is gzip-compressed; decompress it first: gunzip -c {path} > {_fixed_name(path, 'plain')}"
+    if head.startswith(UTF16_BOMS) or b"\x00" in head:
+        return (f"it is UTF-16 text, not UTF-8; convert it: "
+                f"iconv -f utf-16 -t utf-8 {path} > {_fixed_name(path, 'utf8')}")
+    head = head.removeprefix(UTF8_BOM)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:        # not just a character cut at the end of the head
+            return (f"it is not UTF-8 and looks like Latin-1 (ISO-8859-1) or Windows-1252 text; convert it: "
+                    f"iconv -f latin1 -t utf-8 {path} > {_fixed_name(path, 'utf8')}")
+        text = head[:e.start].decode("utf-8")
+    if text.lstrip().startswith("["):
+        return (f"it looks like a JSON array; write one object per line (JSONL), e.g. "
+                f"jq -c '.[]' {path} > {_fixed_name(path, 'lines')}")
+    return ""
+
+
+def no_usable_rows(path: str, report: "PrepareReport", shown: int = 3) -> str:
+    """The error for a source without one usable row: what is wrong and its fix first, then the first
+    rows' own reasons, the formats expected and the report."""
+    fix = unusable_file_fix(path)
+    lines = [f"{path}: no usable rows" + (f": {fix}" if fix else "")]
+    lines += [f"  line {line}: {reason}" for line, reason in report.bad[:shown]]
+    lines += [f"Expected {EXPECTED_FORMATS}", report.summary()]
+    return "\n".join(lines)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -288,11 +354,18 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
 
 
-def _parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None) -> tuple[Conversation | None, str]:
-    """(conversation, "") for a usable row of format `fmt`, else (None, reason)."""
+def _not_an_object(row: Any) -> str:
+    hint = " (a JSON array: write one object per line, JSONL)" if isinstance(row, list) else ""
+    return f"not a JSON object: got {type(row).__name__}{hint}"
+
+
+def parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None,
+              need_answer: bool = True) -> tuple[Conversation | None, str]:
+    """(conversation, "") for a usable row of format `fmt`, else (None, reason). need_answer False
+    (a prompt, for eval) accepts a row without an assistant turn."""
     key = ROW_FORMATS[fmt]
     if not isinstance(row, dict):
-        return None, f"not a JSON object: got {type(row).__name__}"
+        return None, _not_an_object(row)
     if row.get(key) is None:
         return None, f"missing {key!r}: the file holds {fmt} rows"
     turns = row[key]
@@ -330,7 +403,7 @@ def _parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None) -> tu
         hit = next((h for h in map(control_tokens.search, _strings(tools)) if h), None)
         if hit:
             return None, f"control token in content: tools contain {hit.group(0)!r}"
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         return None, "no assistant turn"
     if messages[0]["role"] == "assistant":
         return None, "assistant turn without a prompt: message 0 is the assistant's"
@@ -446,6 +519,36 @@ def _special_tokens(tokenizer: Any) -> list[str]:
 
 def _control_token_pattern(specials: list[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+
+
+def control_tokens(tokenizer: Any) -> re.Pattern[str] | None:
+    """The tokenizer's special tokens as one pattern: text holding one is refused (`parse_row`)."""
+    return _control_token_pattern(_special_tokens(tokenizer))
+
+
+class ChatRows:
+    """A chat file's rows as conversations, in file order: `(line, conversation, "")` or
+    `(line, None, reason)`. The one row reader and parser of prepare-data and eval. `format` is the
+    row format, named or (auto) decided by the first row holding 'messages' or 'conversations'."""
+
+    def __init__(self, path: str, row_format: str = "auto", control_tokens: re.Pattern[str] | None = None,
+                 need_answer: bool = True) -> None:
+        self.path, self.control_tokens, self.need_answer = path, control_tokens, need_answer
+        self.format = None if row_format == "auto" else row_format
+
+    def __iter__(self) -> Iterator[tuple[int, Conversation | None, str]]:
+        for line, row, reason in _source_rows(self.path):
+            if reason:
+                yield line, None, reason
+                continue
+            if self.format is None and isinstance(row, dict):
+                self.format = detect_format(row)
+            if self.format is None:
+                yield line, None, (_not_an_object(row) if not isinstance(row, dict) else
+                                   f"missing {' or '.join(map(repr, ROW_FORMATS.values()))}")
+                continue
+            conversation, reason = parse_row(row, self.format, self.control_tokens, self.need_answer)
+            yield line, conversation, reason
 
 
 # A view: a rendered text and the character spans of it the assistant generated.
@@ -590,10 +693,9 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     template = _resolve_template(tokenizer, chat_template, tokenizer_dir)
     kwargs = _check_template_kwargs(chat_template_kwargs or {}, tokenizer)
     specials = _special_tokens(tokenizer)
-    control_tokens = _control_token_pattern(specials)
     renderer = _Renderer(tokenizer, template, kwargs, tuple(specials))
     source_sha256 = file_sha256(source_path)
-    fmt = None if row_format == "auto" else row_format
+    rows = ChatRows(source_path, row_format, _control_token_pattern(specials))
 
     tmp = _prepare_out_dir(out_dir)
     report = PrepareReport()
@@ -624,17 +726,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     try:
         pending: list[tuple[int, Conversation]] = []
-        for line, row, reason in _source_rows(source_path):
+        for line, conversation, reason in rows:
             report.rows += 1
-            conversation = None
-            if not reason:
-                if fmt is None and isinstance(row, dict):
-                    fmt = _row_format(row)  # the first row holding either key decides the file's format
-                if fmt is None:
-                    reason = (f"not a JSON object: got {type(row).__name__}" if not isinstance(row, dict) else
-                              f"missing {' or '.join(map(repr, ROW_FORMATS.values()))}")
-                else:
-                    conversation, reason = _parse_row(row, fmt, control_tokens)
             if conversation is None:
                 # Rows reach the report in file order: flush what is pending before this one.
                 flush(pending)
@@ -645,7 +738,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
                 flush(pending)
         flush(pending)
         if report.kept == 0:
-            raise DataError(f"{source_path}: no usable rows. Expected {EXPECTED_FORMATS}\n{report.summary()}")
+            raise DataError(no_usable_rows(source_path, report))
         for w in writers.values():
             w.finish()
         np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=ARRAYS["offsets"]))
@@ -656,7 +749,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
                 f.write(json.dumps({"line": line, "sample_id": line - 1, "reason": reason}) + "\n")
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
-            "source": os.path.abspath(source_path), "source_sha256": source_sha256, "source_format": fmt,
+            "source": os.path.abspath(source_path), "source_sha256": source_sha256, "source_format": rows.format,
             "tokenizer": os.path.abspath(tokenizer_dir), "tokenizer_sha256": tokenizer_digest(tokenizer_dir),
             "chat_template": template, "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
             "chat_template_kwargs": kwargs,
@@ -741,7 +834,13 @@ class PreparedDataset:
                             f"{meta.get('num_tokens')} tokens) disagree with the arrays ({n}, {total})")
 
     def __len__(self) -> int:
+        """Documents (a row the template renders as several, or split, counts once per document)."""
         return len(self.sample_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Source rows the documents come from (distinct sample ids)."""
+        return len(np.unique(self.sample_ids))
 
     @property
     def num_tokens(self) -> int:

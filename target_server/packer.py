@@ -254,7 +254,8 @@ def build_packed(dataset: PreparedDataset, doc_indices: list[int]) -> dict[str, 
     """The token tensors of one packed batch (the `common.batch.PackedBatch` layout, without `hidden`).
 
     input_ids int32 [T], loss_mask uint8 [T], position_ids int32 [T] (0.. in every document),
-    doc_lens int32 [D], sample_ids int64 [D].
+    doc_lens int32 [D], sample_ids int64 [D] (each document's source row), doc_ids int64 [D] (its index
+    in the dataset).
     """
     if len(doc_indices) == 0:
         raise ValueError("a packed batch needs at least one document")
@@ -268,4 +269,5 @@ def build_packed(dataset: PreparedDataset, doc_indices: list[int]) -> dict[str, 
         "position_ids": (np.arange(total, dtype=np.int64) - np.repeat(starts, doc_lens)).astype(np.int32),
         "doc_lens": doc_lens,
         "sample_ids": np.array([sid for _, _, sid in docs], dtype=np.int64),
+        "doc_ids": np.array(doc_indices, dtype=np.int64),
     }

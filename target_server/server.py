@@ -315,7 +315,8 @@ class TargetServer:
                                     "num_layers": r.num_layers, "layer_ids": list(r.layer_ids),
                                     "vocab_size": r.vocab_size, "dtype": str(r.dtype).replace("torch.", ""),
                                     "precision": r.precision,
-                                    "epoch_samples": len(self.dataset),
+                                    "epoch_samples": self.dataset.num_samples,
+                                    "epoch_documents": len(self.dataset),
                                     "token_budget": self.cfg.data.token_budget,
                                     "num_hosts": self.cfg.cluster.num_hosts, "host_rank": self.cfg.cluster.host_rank}
                 self.state = "serving"

@@ -153,12 +153,15 @@ def inspect_run(config: Path, run: Path | None = None) -> dict[str, Any]:
 
 
 def assert_exactly_once(config: Path, run: Path | None = None) -> dict[str, Any]:
-    """The finished run's last checkpoint: every sample of every epoch trained, none twice."""
+    """The finished run's last checkpoint: every sample (source row) and every document of every
+    epoch trained, none twice."""
     info = inspect_run(config, run)
     assert info["samples_trained"] == info["epoch_samples"] > 0, info
-    assert info["samples_duplicated"] == 0, info
+    assert info["documents_trained"] == info["epoch_documents"] >= info["epoch_samples"], info
+    assert info["samples_duplicated"] == info["documents_duplicated"] == 0, info
     epochs = info["epochs"]
     assert sorted(epochs, key=int) == [str(e) for e in range(info["epoch"] + 1)], info
     for e, stats in epochs.items():
-        assert stats == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0}, (e, info)
+        assert stats == {"samples_trained": info["epoch_samples"], "samples_duplicated": 0,
+                         "documents_trained": info["epoch_documents"], "documents_duplicated": 0}, (e, info)
     return info

@@ -9,6 +9,7 @@ import torch
 from drafter_trainer.blocks import (IGNORE_INDEX, AttentionLayout, BlockError, anchor_seed, build_blocks,
                                     sample_anchors)
 from test_drafter_model import MASK, make_batch
+from tolerances import approx
 
 DOCS = [9, 14, 11]          # starts 0, 9, 23
 
@@ -80,10 +81,11 @@ def test_block_weights_decay_and_stop_at_the_document_end_and_outside_the_loss_m
     blocks = build_blocks(batch, torch.tensor([19]), 4, MASK, gamma)   # doc 1 = tokens 9..22
     decay = [math.exp(-(k - 1) / gamma) for k in range(4)]
     # k=0 anchor: no loss; k=1 token 20; k=2 token 21 outside the loss mask; k=3 token 22 (last of doc 1)
-    assert blocks.weights[0].tolist() == pytest.approx([0.0, decay[1], 0.0, decay[3]])
+    # one fp32 exp each against Python's float64 one
+    assert blocks.weights[0].tolist() == approx([0.0, decay[1], 0.0, decay[3]], dtype=torch.float32)
     blocks = build_blocks(batch, torch.tensor([21]), 4, MASK, gamma)
     # k=1 token 22 is the last of doc 1; k=2, 3 would be tokens 23, 24 of doc 2
-    assert blocks.weights[0].tolist() == pytest.approx([0.0, decay[1], 0.0, 0.0])
+    assert blocks.weights[0].tolist() == approx([0.0, decay[1], 0.0, 0.0], dtype=torch.float32)
     assert blocks.labels[0].tolist() == [IGNORE_INDEX, int(batch.input_ids[22]), IGNORE_INDEX, IGNORE_INDEX]
 
 

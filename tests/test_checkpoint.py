@@ -18,20 +18,46 @@ from drafter_trainer.checkpoint import (MANIFEST, PIECE_BYTES, SAVE_FAULT_POINTS
                                         NoCheckpointVerifies, OutDirInUse, TrainerState, bytes_digest,
                                         epoch_stats, file_digest, inspect_run, list_checkpoints, list_moved_aside,
                                         lock_out_dir, resume_checkpoint, sample_stats, save_checkpoint,
-                                        sweep_partial, verify_checkpoint)
+                                        sweep_partial, trained_pairs, verify_checkpoint)
 from drafter_trainer.checkpoint import _save_state
 from drafter_trainer.metrics_sink import MetricsSink
 
 
 def test_every_epoch_is_accounted_for_with_its_own_duplicates() -> None:
-    trained = {0: np.array([0, 1, 2, 3]), 1: np.array([3, 1, 1, 0, 0, 2]), 2: np.array([5])}
+    # (sample id, document id) per document trained; sample 1 is two documents (documents 1 and 2)
+    trained = {0: np.array([[0, 0], [1, 1], [1, 2], [2, 3]]),
+               1: np.array([[3, 4], [1, 1], [1, 1], [0, 0], [0, 0], [2, 3], [1, 2]]),
+               2: np.array([[5, 7]])}
     assert epoch_stats(trained) == {
-        "0": {"samples_trained": 4, "samples_duplicated": 0},
-        "1": {"samples_trained": 4, "samples_duplicated": 2},
-        "2": {"samples_trained": 1, "samples_duplicated": 0},
+        "0": {"samples_trained": 3, "samples_duplicated": 0, "documents_trained": 4, "documents_duplicated": 0},
+        "1": {"samples_trained": 4, "samples_duplicated": 2, "documents_trained": 5, "documents_duplicated": 2},
+        "2": {"samples_trained": 1, "samples_duplicated": 0, "documents_trained": 1, "documents_duplicated": 0},
     }
-    # the current epoch's figures in the meta are the same numbers
-    assert sample_stats(trained, 1, 6) == {"samples_trained": 4, "samples_duplicated": 2, "epoch_samples": 6}
+    # the current epoch's figures in the meta are the same numbers, beside the epoch's sizes
+    assert sample_stats(trained, 1, 4, 6) == {"samples_trained": 4, "samples_duplicated": 2, "epoch_samples": 4,
+                                              "documents_trained": 5, "documents_duplicated": 2, "epoch_documents": 6}
+
+
+def test_a_row_made_into_several_documents_trained_once_is_no_duplicate() -> None:
+    """A stock Qwen3 template re-renders a row with later turns into several documents: 64 rows as
+    104 documents, each trained once, are 64 samples and 104 documents, none duplicated."""
+    rows = np.repeat(np.arange(64), [2] * 40 + [1] * 24)      # 40 rows of two documents, 24 of one
+    trained = {0: np.stack([rows, np.arange(len(rows))], axis=1)}
+    assert len(rows) == 104
+    assert sample_stats(trained, 0, 64, 104) == {"samples_trained": 64, "samples_duplicated": 0, "epoch_samples": 64,
+                                                 "documents_trained": 104, "documents_duplicated": 0,
+                                                 "epoch_documents": 104}
+
+
+def test_a_checkpoint_from_before_documents_were_counted_still_counts_its_samples() -> None:
+    # sample ids alone: documents unknown, so each is counted and none is taken for a duplicate
+    old = {0: np.array([0, 1, 1, 2])}
+    assert trained_pairs(old[0]).tolist() == [[0, -1], [1, -1], [1, -1], [2, -1]]
+    assert epoch_stats(old) == {"0": {"samples_trained": 3, "samples_duplicated": 0, "documents_trained": 4,
+                                      "documents_duplicated": 0}}
+    resumed = {0: np.concatenate([trained_pairs(old[0]), [[1, 5], [1, 5]]])}   # then one document trained twice
+    assert epoch_stats(resumed)["0"] == {"samples_trained": 3, "samples_duplicated": 1, "documents_trained": 5,
+                                         "documents_duplicated": 1}
 
 
 def test_a_run_that_trained_nothing_has_no_epochs() -> None:
@@ -123,8 +149,9 @@ def test_trainer_state_round_trips_through_save_and_load(tmp_path):
                          config_hash="abc", model=model.state_dict(), optimizer=opt.state_dict(),
                          rng=torch.get_rng_state(), drafter_config={"hidden_size": 3}, split_fc=True,
                          target_precision="fp8-block")
-    path, meta = saved.save(str(tmp_path), keep=2, reason="test", epoch_samples=6, num_hosts=2)
+    path, meta = saved.save(str(tmp_path), keep=2, reason="test", epoch_samples=6, num_hosts=2, epoch_documents=9)
     assert read_meta(path) == json.loads(json.dumps(meta))
+    assert (meta["epoch_samples"], meta["epoch_documents"]) == (6, 9)
     assert [h["batches_trained"] for h in meta["cluster"]["hosts"]] == [3, 1]
     loaded = TrainerState.load(path)
     assert (loaded.step, loaded.epoch, loaded.skipped_steps, loaded.epoch_sizes) == (7, 1, 2, [4, 4])

@@ -62,6 +62,15 @@ def test_cross_field_rules(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "train: [unclosed\n"))
 
 
+def test_a_sliding_window_narrower_than_a_block_is_refused_with_the_key_that_fixes_it() -> None:
+    layers = ["drafter.num_layers=2", "drafter.layer_types=[sliding_attention, full_attention]"]
+    with pytest.raises(ConfigError, match=r"drafter.sliding_window \(8\) is smaller than drafter.block_size \(16\)"
+                                          r".*set drafter.sliding_window to at least 16"):
+        load_config(None, [*layers, "drafter.sliding_window=8"])
+    assert load_config(None, [*layers, "drafter.sliding_window=16"]).drafter.sliding_window == 16
+    assert load_config(None, [*layers, "drafter.sliding_window=4", "drafter.block_size=4"]).drafter.block_size == 4
+
+
 def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, "data:\n  train_path: demo/chat.jsonl\n"))
     assert cfg.resolve(cfg.data.train_path) == str(tmp_path / "demo" / "chat.jsonl")
@@ -71,6 +80,7 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
 def test_dflash_layer_ids_and_gamma_follow_the_published_recipe() -> None:
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(36, 1) == [18] and default_layer_ids(8, 1) == [4] and default_layer_ids(5, 1) == [2]
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
     with pytest.raises(ConfigError):
         default_layer_ids(4, 5)

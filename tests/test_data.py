@@ -291,6 +291,62 @@ def test_bad_arguments_are_clear_errors_not_crashes(tmp_path):
                          "--out", str(tmp_path / "p")]) == 2
 
 
+def _prepare_cli(src: str, out: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from dfpipe.cli import main as dfpipe_main
+    rc = dfpipe_main(["prepare-data", "--input", src, "--tokenizer", DEMO_TOKENIZER, "--out", out])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+CAFE = [json.dumps(_chat(("user", "Un caf\u00e9 ?"), ("assistant", "Oui, un caf\u00e9.")), ensure_ascii=False)] * 3
+
+
+def test_a_utf8_bom_at_the_start_of_the_file_is_accepted(tmp_path, capsys):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "\n".join(CAFE).encode() + b"\n")
+    rc, out, err = _prepare_cli(str(src), str(tmp_path / "p"), capsys)
+    assert rc == 0, err
+    assert out.startswith("3 rows: 3 kept") and ", 0 bad;" in out
+    assert PreparedDataset.open(str(tmp_path / "p")).sample_ids.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("indent", [None, 2], ids=["one-line", "pretty-printed"])
+def test_a_json_array_file_is_told_to_become_jsonl_with_the_command(tmp_path, capsys, indent):
+    src = tmp_path / "chat.json"
+    src.write_text(json.dumps([json.loads(row) for row in CAFE], indent=indent))
+    rc, out, err = _prepare_cli(str(src), str(tmp_path / "p"), capsys)
+    first = err.splitlines()[0]
+    assert rc == 2 and out == ""
+    assert first == (f"prepare-data: {src}: no usable rows: it looks like a JSON array; write one object per line "
+                     f"(JSONL), e.g. jq -c '.[]' {src} > {tmp_path / 'chat.lines.jsonl'}")
+    assert err.splitlines()[1].startswith("  line 1: not ")           # the first rows' own reasons follow
+    assert not (tmp_path / "p").exists()
+
+
+def test_latin1_text_is_named_with_the_iconv_command_that_converts_it(tmp_path, capsys):
+    src = tmp_path / "chat.jsonl"
+    src.write_bytes("\n".join(CAFE).encode("latin-1") + b"\n")
+    rc, out, err = _prepare_cli(str(src), str(tmp_path / "p"), capsys)
+    lines = err.splitlines()
+    assert rc == 2 and out == ""
+    assert lines[0] == (f"prepare-data: {src}: no usable rows: it is not UTF-8 and looks like Latin-1 (ISO-8859-1) "
+                        f"or Windows-1252 text; convert it: iconv -f latin1 -t utf-8 {src} > "
+                        f"{tmp_path / 'chat.utf8.jsonl'}")
+    byte = CAFE[0].encode("latin-1").index(b"\xe9")
+    assert lines[1:4] == [f"  line {i}: not UTF-8: byte {byte} is 0xe9; the line looks like Latin-1 (or "
+                          f"Windows-1252) text" for i in (1, 2, 3)]
+
+
+def test_rows_without_a_file_wide_cause_list_their_own_reasons_first(tmp_path, capsys):
+    src = _write_lines(tmp_path / "rows.jsonl", ['{"messages": "hi"}', '{"conversation": []}', "{broken"])
+    rc, _, err = _prepare_cli(src, str(tmp_path / "p"), capsys)
+    assert rc == 2
+    assert err.splitlines()[:4] == [f"prepare-data: {src}: no usable rows",
+                                    "  line 1: invalid 'messages': expected a list, got str",
+                                    "  line 2: missing 'messages': the file holds openai rows",
+                                    "  line 3: not JSON: Expecting property name enclosed in double quotes at column 2"]
+
+
 # ---------------------------------------------------------------------------------------------
 # reading a prepared folder
 

@@ -129,6 +129,28 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
         target.stop()
 
 
+def test_rows_a_stock_template_makes_into_several_documents_are_trained_once_and_not_duplicated(
+        tmp_path: Path) -> None:
+    """A Qwen-style template drops an earlier turn's reasoning once a later user turn exists, so a
+    row of two answers becomes two documents: the audit counts rows and documents apart, and one
+    epoch trains every one of each once, none duplicated."""
+    # the first 32 demo rows: two of them hold two answers
+    config = write_config(tmp_path, samples=32,
+                          data={"chat_template": str(REPO / "tests" / "data" / "qwen35_style.jinja")})
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    try:
+        wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
+        trainer = Service("trainer", config, tmp_path)
+        assert trainer.wait(300) == 0, trainer.log()
+        info = assert_exactly_once(config)
+        assert info["epoch_samples"] == 32 and info["epoch_documents"] == 34, info
+        assert ("'samples_trained': 32, 'samples_duplicated': 0, 'epoch_samples': 32, 'documents_trained': 34, "
+                "'documents_duplicated': 0, 'epoch_documents': 34" in trainer.log(tail=10_000))
+    finally:
+        target.stop()
+
+
 @pytest.mark.usefixtures("cxx_compiler")
 def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing_a_sample(tmp_path: Path) -> None:
     # drafter.compile on the CPU: inductor's C++ backend, seconds for the tiny drafter, from an
@@ -239,7 +261,8 @@ def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: 
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "samples trained      2000 of 2000 (duplicated: 0)" in res.stdout
+    assert re.search(r"trained              samples 2,000/2,000 \(0 duplicated\), documents ([\d,]+)/\1 "
+                     r"\(0 duplicated\)", res.stdout), res.stdout[-3000:]
     assert "held-out eval        step " in res.stdout and " on 2 held-out batches" in res.stdout
     assert "/dev/shm left over   none" in res.stdout
     assert (out / "demo.png").stat().st_size > 10_000

@@ -148,7 +148,7 @@ def test_decode_block_sees_what_a_training_block_sees(target: ev.TargetModel, dr
                                loss_mask=torch.ones(len(ids), dtype=torch.uint8),
                                position_ids=torch.arange(len(ids), dtype=torch.int32),
                                doc_lens=torch.tensor([len(ids)], dtype=torch.int32),
-                               sample_ids=torch.zeros(1, dtype=torch.int64))
+                               sample_ids=torch.zeros(1, dtype=torch.int64), doc_ids=torch.zeros(1, dtype=torch.int64))
     blocks = build_blocks(trained_view, torch.tensor([anchor]), BLOCK, MASK_ID, gamma=4.0)
     with torch.no_grad():
         training = drafter(trained_view.hidden, blocks.block_input_ids, blocks)[0, 1:]
@@ -184,6 +184,40 @@ def test_prompts_file_chat_rows_use_turns_before_the_first_answer_and_count_bad_
         "<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_every_row_prepare_data_accepts_is_a_prompt_and_the_rows_it_refuses_are_skipped(tmp_path: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from target_server.data import prepare_data
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    openai = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Spell "}, {"type": "text", "text": "cat."}]},
+                      {"role": "assistant", "content": "C-A-T."}]},
+        {"messages": [{"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
+                      {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to 2."},
+                      {"role": "assistant", "reasoning_content": "Easy.", "content": "1, 2."}]},
+        {"messages": [{"role": "user", "content": "fake <|im_end|> turn"}, {"role": "assistant", "content": "y"}]},
+    ]
+    sharegpt = [{"conversations": [{"from": "human", "value": "Spell dog."}, {"from": "gpt", "value": "D-O-G."}],
+                 "system": "Be brief."}]
+    for name, rows in (("openai", openai), ("sharegpt", sharegpt)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode() + b"\n")   # BOM
+        report = prepare_data(str(path), TOKENIZER_DIR, str(tmp_path / f"prepared-{name}"), max_len=512)
+        prompts = ev.load_prompts(str(path), tok)
+        kept = [line for line in range(1, len(rows) + 1) if line not in {bad for bad, _ in report.bad}]
+        assert prompts.kind == "chat" and prompts.source_lines == kept and len(kept) == report.kept
+        assert [line for line, _ in prompts.skipped] == [line for line, _ in report.bad]
+    assert report.kept == 1 and [line for line, _ in ev.load_prompts(str(tmp_path / "openai.jsonl"), tok).skipped] == [4]
+    want = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell dog."}],
+                                   tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert prompts.token_ids == [list(want)]
+    first = ev.load_prompts(str(tmp_path / "openai.jsonl"), tok, limit=1)
+    assert tok.decode(first.token_ids[0]).endswith("<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
+
+
 def _cli_args(tmp_path: Any, target_dir: str, drafter_dir: str, **kw: Any) -> argparse.Namespace:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Count from 3 to 9.\nSpell the word fox.\n")
@@ -209,6 +243,21 @@ def test_cli_exports_load_and_exit_codes_follow_the_lossless_check(tmp_path: Any
 
     assert ev.main(_cli_args(tmp_path, target_dir, str(tmp_path / "missing"))) == ev.EXIT_USAGE
     assert "drafter folder not found" in capsys.readouterr().err
+
+
+def test_cli_without_a_usable_prompt_says_what_is_wrong_with_the_file_and_the_fix(
+        tmp_path: Any, target_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    drafter_dir = str(tmp_path / "drafter")
+    export_drafter(make_drafter(target_dir), drafter_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(json.dumps({"messages": [{"role": "user", "content": "caf\u00e9"}]},
+                                   ensure_ascii=False).encode("latin-1") + b"\n")
+    assert ev.main(_cli_args(tmp_path, target_dir, drafter_dir, prompts=str(prompts))) == ev.EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2] == (f"dfpipe eval: no usable prompt in {prompts}: it is not UTF-8 and looks like Latin-1 "
+                       f"(ISO-8859-1) or Windows-1252 text; convert it: iconv -f latin1 -t utf-8 {prompts} > "
+                       f"{tmp_path / 'prompts.utf8.jsonl'}")
+    assert err[-1].startswith("  line 1: not UTF-8: byte ")
 
 
 def _config_only_target(path: Any, target_dir: str, **changes: Any) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tolerances import tol
+
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("env", "p1", "p5", "p5d", "p23", "services", "p7", "scale", "placements")
 
@@ -83,8 +85,12 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     sweep = json.loads((sweep_out / "attn_sweep.json").read_text())
-    for variant in ("flex", "flex-range", "flex-seg", "flash"):   # fp32 on the CPU: the same attention
-        assert sweep[variant]["max_rel_err_vs_split"]["out"] < 1e-4, (variant, sweep[variant])
+    shape = json.loads(res.stdout.splitlines()[0])
+    # fp32 on the CPU: the same attention summed in another order, scores over head_dim terms, then
+    # the softmax and the weighted sum over at most keys_max keys (relative to the output's largest)
+    bound = tol(shape["head_dim"] + 2 * shape["keys_max"])["rtol"]
+    for variant in ("flex", "flex-range", "flex-seg", "flash"):
+        assert sweep[variant]["max_rel_err_vs_split"]["out"] <= bound, (variant, sweep[variant], bound)
 
 
 def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> None:

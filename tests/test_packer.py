@@ -191,6 +191,7 @@ def test_packed_batches_pass_check_batch_and_hold_the_documents_tokens(dataset):
             assert np.array_equal(arrays["input_ids"][start:end], ids)
             assert np.array_equal(arrays["loss_mask"][start:end], mask)
             assert arrays["position_ids"][start] == 0 and arrays["sample_ids"][i] == sid
+            assert arrays["doc_ids"][i] == doc           # the document itself, unique in the epoch
             start = end
 
 

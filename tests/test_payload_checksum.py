@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.batch import PAYLOAD_TENSORS, TOKEN_TENSORS
+from common.batch import DOC_TENSORS, PAYLOAD_TENSORS, TOKEN_TENSORS
 from common.checksum import (ChecksumMismatch, as_meta, check_payload, payload_checksums,
                              tensor_checksum)
 from common.protocol import Ack, Announce, EpochEnd
@@ -41,7 +41,7 @@ def small_payload(seed: int = 0, tokens: int = 37, layers: int = 2, hidden: int 
     g = torch.Generator().manual_seed(seed)
     out = {"hidden": torch.randn((layers, tokens, hidden), generator=g).to(hidden_dtype)}
     for name, dtype in TOKEN_TENSORS.items():
-        n = 5 if name in ("doc_lens", "sample_ids") else tokens
+        n = 5 if name in DOC_TENSORS else tokens
         out[name] = torch.randint(-(1 << 62) if dtype == torch.int64 else 0, 1 << 62 if dtype == torch.int64 else 100,
                                   (n,), generator=g, dtype=torch.int64).to(dtype)
     return out
@@ -116,7 +116,7 @@ def test_the_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
                           "--warmup", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["payload_bytes"] == 2 * 96 * 40 * 2 + 96 * (4 + 1 + 4) + 7 * (4 + 8)
+    assert out["payload_bytes"] == 2 * 96 * 40 * 2 + 96 * (4 + 1 + 4) + 7 * (4 + 8 + 8)   # doc_lens, sample_ids, doc_ids
     assert out["checksum_ms_producer"] > 0 and out["checksum_ms_consumer"] > 0 and out["cpu_equal"] is True
 
 

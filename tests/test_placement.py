@@ -7,6 +7,7 @@ import torch
 
 from bench.gpu.gpu_bench import recommend_split
 from drafter_trainer.step import Ranks
+from tolerances import approx
 
 
 def test_each_local_rank_takes_its_own_listed_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,11 +29,12 @@ def test_recommended_split_balances_supply_and_demand() -> None:
     split = recommend_split(target, drafter, 1.0, hosts=(4, 8))
     best4 = split["4"]["best"]
     assert (best4["target_gpus"], best4["trainer_gpus"]) == (3, 1)
-    assert best4["tok_s"] == pytest.approx(min(3 * 10 * 0.9, 30.0))
+    # rates times GPU counts times efficiencies: a few float64 products, in another order
+    assert best4["tok_s"] == approx(min(3 * 10 * 0.9, 30.0), n=3)
     # 8 GPUs: 6 target GPUs (54) against 2 trainer GPUs (54) beats 7+1 (30) and 5+3 (45)
     best8 = split["8"]["best"]
     assert (best8["target_gpus"], best8["trainer_gpus"]) == (6, 2)
-    assert best8["bound_by"] in ("target", "trainer") and best8["tok_s"] == pytest.approx(54.0)
+    assert best8["bound_by"] in ("target", "trainer") and best8["tok_s"] == approx(54.0, n=3)
     # a deeper target (depth_scale) needs more target GPUs per trainer GPU
     deep = recommend_split(target, drafter, 0.25, hosts=(8,))["8"]["best"]
     assert (deep["target_gpus"], deep["trainer_gpus"]) == (7, 1) and deep["bound_by"] == "target"

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from common.batch import document_positions
 from target_server import varlen
 from target_server.target import TargetRunner
-from tolerances import assert_close, target_terms, tol
+from tolerances import assert_close, differs, rel_err, target_terms, tol, transformer_roundings
 
 ARCHS = ("qwen3.5", "qwen3")
 # length 1, lengths below the conv kernel (4), and lengths across the delta rule's 64-token chunks
@@ -106,7 +106,7 @@ def test_hf_packed_forward_leaks_across_documents_on_the_hybrid_target(hf_models
     start = first
     for doc in docs[1:]:
         # every later document differs already at its first token: conv taps and recurrent state leak in
-        assert (naive[:, start] - ours[:, start]).abs().max() > 1e-3
+        assert differs(naive[:, start], ours[:, start], n=target_terms(runner, ids.numel()))
         start += len(doc)
 
 
@@ -117,7 +117,7 @@ def test_attention_only_target_needs_document_boundaries_too(hf_models: dict[str
     docs, ids, pos, lens = _packed(DOC_LENS, seed=0)
     naive = _hf_layers(hf_models["qwen3"], ids, runner.layer_ids)
     ours = runner.capture(ids, pos, lens)
-    assert (naive[:, len(docs[0]):] - ours[:, len(docs[0]):]).abs().max() > 1e-2
+    assert differs(naive[:, len(docs[0]):], ours[:, len(docs[0]):], n=target_terms(runner, ids.numel()))
 
 
 def test_varlen_conv_zeroes_history_at_each_document_start() -> None:
@@ -160,7 +160,7 @@ def test_gated_delta_rule_restarts_its_state_at_each_document() -> None:
         # every step updates a dk x dv state from dk-term products, over up to the longest document
         assert_close(ours[:, sl], alone, n=max(lens) * dk)
     carried = varlen.gated_delta_rule(q, k, v, decay, beta, one_doc)
-    assert (carried[:, lens[0]:] - ours[:, lens[0]:]).abs().max() > 1e-3
+    assert differs(carried[:, lens[0]:], ours[:, lens[0]:], n=max(lens) * dk)
 
 
 @settings(max_examples=8, deadline=None)
@@ -205,8 +205,21 @@ def real_fla() -> None:
             sys.modules["fla"] = None  # type: ignore[assignment]
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+# FLA's chunked delta rule stores five intermediates in the input dtype besides its output (the
+# inverted triangle, w, u, the chunk states, the corrected values): roundings the torch path, which
+# computes in fp32 and rounds once at the end, does not make.
+FLA_RULE_ROUNDINGS = 5
+
+
+def _bf16_rtol(runner: TargetRunner, tokens: int) -> float:
+    """How far two bf16 forwards of the target may differ when some operations run other kernels:
+    from the first layer on, every stored output may round apart (`transformer_roundings` through the
+    deepest captured layer, FLA's own in each Gated DeltaNet layer), on top of the fp32 sums."""
+    layers = max(runner.layer_ids) + 1
+    types = getattr(runner.model.config, "layer_types", None) or ["full_attention"] * layers
+    linear = sum(t == "linear_attention" for t in types[:layers])
+    return tol(target_terms(runner, tokens), rounded_to=torch.bfloat16,
+               roundings=transformer_roundings(layers, FLA_RULE_ROUNDINGS * linear))["rtol"]
 
 
 @cuda_only
@@ -217,15 +230,18 @@ def test_fla_kernels_match_the_torch_path_on_gpu(real_fla: None) -> None:
     docs = varlen.PackedDocs.from_doc_lens(torch.tensor(lens), "cuda")
     x = torch.randn(t, c, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(c, 4, device="cuda", generator=g, dtype=torch.bfloat16)
-    assert _rel_err(varlen.causal_conv1d(x, w, None, docs, backend="fla"),
-                    varlen.causal_conv1d(x, w, None, docs, backend="torch")) < 1e-2
+    # both sum the 4 taps in fp32 and round the activated output to bf16 once
+    assert rel_err(varlen.causal_conv1d(x, w, None, docs, backend="fla"),
+                   varlen.causal_conv1d(x, w, None, docs, backend="torch")) <= tol(4, rounded_to=torch.bfloat16)["rtol"]
     q = torch.randn(1, t, heads, dk, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(1, t, heads, dk, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(1, t, heads, dv, device="cuda", generator=g, dtype=torch.bfloat16)
     decay = -torch.rand(1, t, heads, device="cuda", generator=g)
     beta = torch.rand(1, t, heads, device="cuda", generator=g, dtype=torch.bfloat16)
-    assert _rel_err(varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="fla"),
-                    varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="torch")) < 5e-2
+    # a state of dk-term products over the longest document; FLA rounds its intermediates, torch once
+    bound = tol(max(lens) * dk, rounded_to=torch.bfloat16, roundings=1 + FLA_RULE_ROUNDINGS)["rtol"]
+    assert rel_err(varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="fla"),
+                   varlen.gated_delta_rule(q, k, v, decay, beta, docs, backend="torch")) <= bound
 
 
 @cuda_only
@@ -233,7 +249,7 @@ def test_fla_target_forward_matches_the_torch_path_on_gpu(real_fla: None, tiny_d
     fla = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="fla")
     ref = TargetRunner.load(tiny_dirs["qwen3.5"], device="cuda", dtype="bf16", linear_backend="torch")
     _, ids, pos, lens = _packed(DOC_LENS, seed=4)
-    assert _rel_err(fla.capture(ids, pos, lens), ref.capture(ids, pos, lens)) < 5e-2
+    assert rel_err(fla.capture(ids, pos, lens), ref.capture(ids, pos, lens)) <= _bf16_rtol(fla, ids.numel())
 
 
 @cuda_only
@@ -243,7 +259,8 @@ def test_fla_with_a_fixed_token_count_matches_the_row_length_on_gpu(real_fla: No
     _, ids, pos, lens = _packed(DOC_LENS, seed=6)
     plain = runner.capture(ids, pos, lens)
     assert runner.fix_linear_shape(512).fixed_tokens == 512
-    assert _rel_err(runner.capture(ids, pos, lens), plain) < 1e-2
+    # the same kernels on a longer row may tune (and so sum) differently: the bf16 bound of two kernels
+    assert rel_err(runner.capture(ids, pos, lens), plain) <= _bf16_rtol(runner, ids.numel())
     assert not torch.backends.cuda.cudnn_sdp_enabled(), "per-document attention must not build cuDNN plans"
 
 
@@ -259,7 +276,7 @@ def test_packed_equals_per_document_on_gpu_in_bf16(arch: str, real_fla: None, ti
     start = 0
     for doc in docs:
         alone = runner.capture_unpacked(doc).cpu()  # transformers' own forward, one document
-        assert _rel_err(packed[:, start:start + len(doc)], alone) < 5e-2
+        assert rel_err(packed[:, start:start + len(doc)], alone) <= _bf16_rtol(runner, ids.numel())
         start += len(doc)
 
 
@@ -291,13 +308,14 @@ def test_varlen_attention_matches_per_document_sdpa_on_gpu(arch: str, real_fla: 
     per_doc = runner.capture(ids, pos, lens)
     runner.attention_path = "varlen"
     varlen_out = runner.capture(ids, pos, lens)
-    assert _rel_err(varlen_out, per_doc) < 2e-2
+    bound = _bf16_rtol(runner, ids.numel())
+    assert rel_err(varlen_out, per_doc) <= bound
     # documents stay apart: changing the first document leaves every later one's states alone
     ids2 = ids.clone()
     ids2[: DOC_LENS[0]] = (ids2[: DOC_LENS[0]] + 1) % 512
     moved = runner.capture(ids2, pos, lens)
     later = (moved[:, DOC_LENS[0]:].float() - varlen_out[:, DOC_LENS[0]:].float()).abs().max()
-    assert float(later) <= 1e-3 * float(varlen_out.float().abs().max())
+    assert float(later) <= bound * float(varlen_out.float().abs().max())
 
 
 @cuda_only

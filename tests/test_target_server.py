@@ -351,7 +351,7 @@ def test_a_non_finite_batch_is_quarantined_and_never_published(shm_dir: str, rin
     monkeypatch.setattr(packer_mod, "build_packed", lambda ds, docs: {
         "input_ids": np.arange(5, dtype=np.int32) + docs[0], "loss_mask": np.ones(5, np.uint8),
         "position_ids": np.arange(5, dtype=np.int32), "doc_lens": np.array([5], np.int32),
-        "sample_ids": np.array([100 + docs[0]], np.int64)})
+        "sample_ids": np.array([100 + docs[0]], np.int64), "doc_ids": np.array([docs[0]], np.int64)})
     cfg = load_config(None, [f"ring.name={ring_name}", f"ring.shm_dir={shm_dir}", "ring.slots=4",
                              "ring.cuda_register=off", "data.token_budget=16", "data.max_len=16",
                              "target.warmup=false", "target.audit_every=0"])

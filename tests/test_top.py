@@ -39,7 +39,8 @@ def target_status() -> dict:
 def trainer_status() -> dict:
     return {
         "pid": 4343, "state": "training", "step": 21, "epoch": 0, "samples_trained": 164,
-        "samples_duplicated": 0, "epoch_samples": 240, "last_checkpoint": "/runs/demo/run/step-00000018",
+        "samples_duplicated": 0, "epoch_samples": 240, "documents_trained": 181, "documents_duplicated": 0,
+        "epoch_documents": 265, "last_checkpoint": "/runs/demo/run/step-00000018",
         "loss": 4.123456, "batches_trained": 41, "batches_planned": 60, "skipped_steps": 0,
         "checkpoint_failures": 0, "last_checkpoint_error": "", "metrics_lines_lost": 0, "tokens": 19_800,
         "tokens_per_s": 660.0, "implied_acceptance_length": 1.8731, "acceptance_per_position": [0.61, 0.22, 0.05],
@@ -77,7 +78,8 @@ def test_a_frame_of_both_services_fits_80x24_and_shows_what_matters() -> None:
     session_start = target_status()
     session_start["session"]["last_commit_step"] = -1          # before the trainer's first commit
     assert "last commit none" in "\n".join(render(session_start, None))
-    assert "step 21" in trainer and "samples 164/240" in trainer and "rate 660 tok/s" in trainer
+    assert "step 21" in trainer and "rate 660 tok/s" in trainer
+    assert "trained samples 164/240 (0 duplicated), documents 181/265 (0 duplicated)" in trainer
     assert "loss 4.1235" in trainer and "tau 1.87" in trainer and "eval tau 1.75 (step 20)" in trainer
     assert "last checkpoint step-00000018" in trainer
 

@@ -19,7 +19,13 @@ width the CPU kernels pick. What the math gives instead:
   same bound times `scale`, the magnitude of the compared values (their largest, by default).
 - A result stored in a narrower dtype than it was computed in (bf16 from fp32) may land one
   rounding step apart on either side of a rounding boundary: one eps of the narrow dtype,
-  relative, on top.
+  relative, on top. A path stored in the narrow dtype r times (under autocast every GEMM's and
+  norm's output is rounded to bf16; `transformer_roundings` counts them) carries r such
+  independent roundings on each side, each uniform within half a step: the two results differ by
+  sqrt(2r/3)·u = 0.41·sqrt(r)·eps per standard deviation, so eps·sqrt(r) allows more than C = 2 of
+  them (and is exactly the one step for r = 1). Once two runs differ at all, every later rounding
+  may land apart too, so r counts from the first operation the two runs compute differently to the
+  compared value.
 
 For a deep computation n is the number of terms summed along one output value's path (every
 reduction it passes through: a transformer layer's norms, projections, attention and MLP), so
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 C = 2.0     # λ above: the spread of the accumulated rounding error, in units of its standard deviation
@@ -40,26 +47,64 @@ def eps(dtype: torch.dtype) -> float:
 
 
 def tol(n: int, dtype: torch.dtype = torch.float32, *, scale: float | torch.Tensor = 1.0,
-        rounded_to: torch.dtype | None = None) -> dict[str, float]:
+        rounded_to: torch.dtype | None = None, roundings: int = 1) -> dict[str, float]:
     """rtol and atol (for torch.testing.assert_close) between two orders of an n-term reduction in `dtype`.
 
     scale: the magnitude of the values compared (atol = the relative bound times it); rounded_to:
-    the narrower dtype the results were stored in after computing in `dtype`.
+    the narrower dtype the results were stored in after computing in `dtype`, `roundings` times
+    along the compared value's path.
     """
-    if n < 1:
-        raise ValueError(f"a reduction has at least 1 term, got n={n}")
+    if n < 1 or roundings < 1:
+        raise ValueError(f"a reduction has at least 1 term and a path at least 1 rounding, got n={n}, "
+                         f"roundings={roundings}")
     bound = C * eps(dtype) * math.sqrt(n)
-    rtol = bound + (eps(rounded_to) if rounded_to is not None and eps(rounded_to) > eps(dtype) else 0.0)
-    return {"rtol": rtol, "atol": bound * float(scale)}
+    if rounded_to is not None and eps(rounded_to) > eps(dtype):
+        bound += eps(rounded_to) * math.sqrt(roundings)
+    return {"rtol": bound, "atol": bound * float(scale)}
+
+
+def _scale(expected: torch.Tensor) -> float:
+    return expected.detach().abs().max().float().item() if expected.numel() else 0.0
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, n: int, dtype: torch.dtype = torch.float32, *,
-                 rounded_to: torch.dtype | None = None, msg: str | None = None) -> None:
+                 rounded_to: torch.dtype | None = None, roundings: int = 1, msg: str | None = None) -> None:
     """torch.testing.assert_close at `tol(n, dtype)`, atol scaled by the expected values' largest magnitude."""
     expected = torch.as_tensor(expected)
-    scale = expected.detach().abs().max().float().item() if expected.numel() else 0.0
     torch.testing.assert_close(torch.as_tensor(actual), expected, msg=msg,
-                               **tol(n, dtype, scale=scale, rounded_to=rounded_to))
+                               **tol(n, dtype, scale=_scale(expected), rounded_to=rounded_to, roundings=roundings))
+
+
+def differs(actual: torch.Tensor, expected: torch.Tensor, n: int, dtype: torch.dtype = torch.float32, *,
+            rounded_to: torch.dtype | None = None, roundings: int = 1) -> bool:
+    """True when the two are farther apart than `assert_close` with the same arguments allows: what a
+    test asserts to show that a change is felt, i.e. that its equality check could fail."""
+    expected = torch.as_tensor(expected)
+    t = tol(n, dtype, scale=_scale(expected), rounded_to=rounded_to, roundings=roundings)
+    return not torch.allclose(torch.as_tensor(actual).to(expected.dtype), expected, rtol=t["rtol"], atol=t["atol"])
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (Frobenius), in fp32: a norm-wise relative error, bounded by
+    `tol(...)["rtol"]` when every element is within it."""
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+def approx(expected: float | list[float], n: int = 1, dtype: torch.dtype = torch.float64) -> object:
+    """pytest.approx at `tol(n, dtype)` for numbers a test reads back (`.item()`, `.tolist()`): computed
+    in `dtype` (float64: plain Python arithmetic) through an n-term reduction."""
+    values = expected if isinstance(expected, (list, tuple)) else [expected]
+    t = tol(n, dtype, scale=max((abs(v) for v in values), default=0.0))
+    return pytest.approx(expected, rel=t["rtol"], abs=t["atol"])
+
+
+def transformer_roundings(layers: int, extra: int = 0) -> int:
+    """How many times one output value's path through `layers` pre-norm transformer layers is stored
+    in the compute dtype under autocast: per layer the two norms' outputs, the q, k, v and output
+    projections, the attention's scores and output, the MLP's gate, up, product and down (12; a
+    Gated DeltaNet layer's projections, conv, recurrence and gated norm are as many); plus `extra`
+    for the operations outside the layers (an input projection, a final norm, a head)."""
+    return 12 * layers + extra
 
 
 def transformer_terms(layers: int, hidden: int, intermediate: int, context: int, projected_in: int = 0) -> int:

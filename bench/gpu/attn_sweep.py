@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                     a.segment_rows)
     print(json.dumps({"chunks": len(layouts), "queries": sum(x.num_queries for x in layouts),
                       "keys_mean": sum(x.num_keys for x in layouts) / len(layouts),
+                      "keys_max": max(x.num_keys for x in layouts),
                       "context_keys_mean": sum(x.num_context for x in layouts) / len(layouts),
                       "segments": sum(len(x.segments) for x in layouts), "heads": config.num_attention_heads,
                       "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}), flush=True)

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from common.batch import PAYLOAD_TENSORS, TOKEN_TENSORS  # noqa: E402
+from common.batch import DOC_TENSORS, PAYLOAD_TENSORS, TOKEN_TENSORS  # noqa: E402
 from common.checksum import payload_checksums, tensor_checksum  # noqa: E402
 
 
@@ -43,9 +43,8 @@ def make_payload(tokens: int, layers: int, hidden: int, docs: int, device: torch
     del planes
     lens = torch.full((docs,), tokens // docs, dtype=torch.int64)
     lens[: tokens % docs] += 1
-    sizes = {"doc_lens": docs, "sample_ids": docs}
     for name, dt in TOKEN_TENSORS.items():
-        n = sizes.get(name, tokens)
+        n = docs if name in DOC_TENSORS else tokens
         values = lens if name == "doc_lens" else torch.randint(0, 2 if name == "loss_mask" else 1 << 20, (n,), generator=g)
         payload[name] = values.to(dt)
     return payload

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from bench.target_bench import lognormal_lengths
-from common.batch import PackedBatch
+from common.batch import TOKEN_TENSORS, PackedBatch
 
 MANIFEST = "manifest.json"
 
@@ -181,7 +181,7 @@ def batch_tensors(arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Te
 def packed_batch(arrays: dict[str, np.ndarray], hidden: torch.Tensor, seq: int, device: torch.device) -> PackedBatch:
     """A trainer-side batch: the dataset's tokens of batch `seq` with the given captured planes."""
     tokens = {k: torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in
-              ("input_ids", "loss_mask", "position_ids", "doc_lens", "sample_ids")}
+              TOKEN_TENSORS}
     return PackedBatch(hidden=hidden, **tokens, seq=seq, epoch=0).to(device)
 
 
