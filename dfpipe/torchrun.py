@@ -13,8 +13,13 @@ import sys
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun
 
+    if "-h" in argv or "--help" in argv:   # torchrun's own help, under our name (its main swallows the exit)
+        parser = get_args_parser()
+        parser.prog = "dfpipe torchrun"
+        parser.parse_args(argv)
     try:
         torchrun(argv)
     except ChildFailedError as e:

@@ -266,7 +266,7 @@ def test_the_trainer_unit_does_not_restart_a_status_a_restart_would_not_help() -
     assert sorted(map(int, prevented)) == sorted(FINAL_EXITS)
 
 
-@pytest.mark.parametrize(("rank_status", "launcher_status"), [(7, 7), (2, 1)])
+@pytest.mark.parametrize(("rank_status", "launcher_status"), [(7, 7), (2, 2), (9, 1)])
 def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_status: int,
                                                          launcher_status: int) -> None:
     # torchrun alone exits 1 for any failed rank, so RestartPreventExitStatus would never match
