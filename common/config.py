@@ -75,7 +75,7 @@ class DrafterConfig:
     split_fc: bool = False
     attn: str = "auto"                  # split | sdpa | flex | flash; auto: split on CPU, flash on CUDA (else flex)
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
-    precision: str = "auto"             # matmuls: bf16 | fp8 (scaled e4m3, Ada/Hopper) | fp8-emulated; auto: fp8 where it runs
+    precision: str = "bf16"             # matmuls: bf16 | fp8 (scaled e4m3, Ada/Hopper) | fp8-emulated | auto (fp8 where it runs)
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
     intermediate_size: int = 0          # 0: the target's
     num_heads: int = 0                  # 0: the target's attention heads

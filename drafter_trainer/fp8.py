@@ -72,17 +72,13 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         raise PrecisionError(f"drafter.precision must be one of {PRECISIONS}, got {precision!r}")
     native = device.type == "cuda" and fp8_supported(device.index or 0)
     if precision == "auto":
-        return AUTO_FP8 if native else "bf16"
+        return "fp8" if native else "bf16"
     if precision == "fp8" and not native:
         where = "a CPU" if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
         raise PrecisionError(f"drafter.precision fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
                              f"Hopper); this is {where}. Set drafter.precision: bf16 (or auto), or fp8-emulated to "
                              "check FP8 rounding's effect on training at bf16 speed or slower")
     return precision
-
-
-# What `auto` picks where FP8 matmuls run. The quality gate (docs/benchmarks.md) decides it.
-AUTO_FP8 = "fp8"
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,8 +72,8 @@ FULL: dict[str, Any] = dict(
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
     p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
-    p5d_baseline_precision="bf16",   # p5d (P5f): the headline (drafter.precision auto) against this precision
-    p5d_precision="auto",   # p5d: the headline's drafter.precision
+    p5d_precision="bf16",   # p5d: the headline's drafter.precision (the trainer's default)
+    p5d_other_precision="",   # p5d (P5f): also step this precision on the same batches ("fp8": FP8 against bf16)
 )
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
@@ -82,7 +82,7 @@ QUICK: dict[str, Any] = dict(
     p5_tokens=256, p5_anchors=16, anchors=32, p5d_batches=2, p5d_chunks="0,8", p5d_steps=2, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
-    p5d_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
+    p5d_other_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_fp8_target.py",
               "tests/test_ring.py", "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
@@ -518,11 +518,14 @@ def part_p5d(ctx: Ctx) -> str:
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
-    if a.p5d_baseline_precision and a.p5d_baseline_precision != rig.model.precision:
-        p5f = p5d_precision_baseline(rig, work, best, a, peak, chosen)
-        ctx.store.benchmark("P5f", {"fp8_over_bf16_tok_s": p5f["headline_speedup"],
-                                    "peak_mem_gb": chosen.get("peak_mem_gb"),
-                                    "grad_cosine_min": p5f["grad_cosine"]["min"]}, p5f)
+    if a.p5d_other_precision and a.p5d_other_precision != rig.model.precision:
+        p5f = p5d_other_precision(rig, work, best, a, peak, chosen)
+        fp8, bf16 = (p5f, chosen) if p5f["precision"].startswith("fp8") else (chosen, p5f)
+        ctx.store.benchmark("P5f", {"fp8_over_bf16_tok_s": fp8["tok_s"] / bf16["tok_s"],
+                                    "peak_mem_gb": fp8.get("peak_mem_gb"),
+                                    "grad_cosine_min": p5f["grad_cosine"]["min"]},
+                            {**p5f, "fp8_mfu": fp8["mfu"], "bf16_mfu": bf16["mfu"], "fp8_tok_s": fp8["tok_s"],
+                             "bf16_tok_s": bf16["tok_s"]})
     ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
                       drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
                       drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best)
@@ -582,19 +585,21 @@ def part_fp8lib(ctx: Ctx) -> str:
     return "measured"
 
 
-def p5d_precision_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
-                           headline: dict[str, Any]) -> dict[str, Any]:
-    """The headline's batches and chunk size stepped in --p5d-baseline-precision (bf16) instead of
-    the headline's (fp8), in the same process: the speed-up, and the gradient of one batch in
-    both precisions from the same weights and planes, compared weight by weight (cosine)."""
+def p5d_other_precision(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                        headline: dict[str, Any]) -> dict[str, Any]:
+    """The headline's batches and chunk size stepped in --p5d-other-precision (fp8) instead of the
+    headline's (bf16), in the same process: its step, and the gradient of one batch in both
+    precisions from the same weights and planes, compared weight by weight (cosine)."""
     from dataclasses import replace
 
+    from drafter_trainer.fp8 import resolve_precision
+
     headline_precision = rig.model.precision
-    base = a.p5d_baseline_precision
+    base = resolve_precision(a.p5d_other_precision, rig.device)
     rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
         rig.model.precision = base
-        out = timed_against(rig, work, chunk, a, peak, headline, "precision baseline",
+        out = timed_against(rig, work, chunk, a, peak, headline, "other precision",
                             headline_precision=headline_precision, precision=base)
         batch, blocks = work[0]
         planed = rig.with_planes(batch)

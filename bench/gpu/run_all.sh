@@ -6,10 +6,11 @@
 #     bash bench/gpu/run_all.sh --quick         # tiny sizes: the CPU smoke run
 #     bash bench/gpu/run_all.sh --token-budget 8192 --p6-seconds 15   # any gpu_bench.py flag, to every part
 #
-# With no flags it measures every headline figure in one run on one fresh GPU: P5d and P5f (the
-# drafter step in the default precision, fp8 on an H200, against bf16 on the same batches, and
-# their gradients' cosine), P2, P4 (warm restart against a cold start with an empty Triton cache)
-# and P6d (a 60 s window, its baselines from this run's p5d and p23), and P7 from those rates.
+# With no flags it measures the headline figures in one run on one fresh GPU: P5d (the drafter
+# step in the trainer's default precision, bf16), P2, P4 (warm restart against a cold start with an
+# empty Triton cache, scaled to the full depth's load) and P6d (a 60 s window, its baselines from
+# this run's p5d and p23), and P7 from those rates. --p5d-other-precision fp8 adds P5f (FP8
+# against bf16 on the same batches, and their gradients' cosine) to p5d.
 # Other parts (tests copycheck p1 p5 scale placements fp8lib fp8 long) run when BENCH_PARTS names
 # them (BENCH_PARTS="env fp8": the FP8 target, P8). Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
 # default 570), PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service
