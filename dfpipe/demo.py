@@ -98,9 +98,6 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, keep
     if os.path.isdir(out_dir) and not keep:
         shutil.rmtree(out_dir)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    for ep in (cfg.service.target_endpoint, cfg.service.trainer_endpoint):
-        if ep.startswith("ipc://"):
-            os.makedirs(os.path.dirname(ep[len("ipc://"):]), exist_ok=True)
     t0 = time.time()
     print(f"dfpipe demo: config {config}\n  logs in {out_dir}/logs", flush=True)
     target = _spawn("target-server", config, overrides, os.path.join(out_dir, "logs", "target.log"))

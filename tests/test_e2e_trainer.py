@@ -218,7 +218,7 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
 
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "demo-run"
-    sockets = tmp_path / "s"   # not the demo's /tmp/dfpipe-demo: another user's run may own that folder (0700)
+    sockets = tmp_path / "s"   # not the default private folder: another run of this user's may be using it
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
