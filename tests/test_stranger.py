@@ -32,7 +32,7 @@ from e2e import REPO, Service, assert_exactly_once, ctl, load, serving, wait_for
 from stranger import Stranger, as_stranger, need_root
 from test_target_server import ScriptedConsumer
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MB = 1 << 20
 FLOOD_GROWTH_MB, FLOOD_AFTER_MB = 256, 64    # the requirement's bounds (issue 30, part 5)
