@@ -87,7 +87,11 @@ class EpochPlanner:
             with self._cond:
                 self._cond.wait_for(lambda: self.wanted > self.known)
                 epoch = self.known
-            self._packer.epoch_size(epoch)
+            try:
+                self._packer.epoch_size(epoch)
+            except Exception:   # a bug: said once, and status `epochs_packed` stays where it is
+                log.exception("packing epoch %d failed: HELLOs asking for it are not answered", epoch)
+                return
             with self._cond:
                 self.known = epoch + 1
 
