@@ -22,9 +22,20 @@ rid like any other message.
 
 Who may connect (see docs/architecture.md, "Trust model"): an ipc:// socket file is made 0600 and
 a folder the server creates for it 0700, both set explicitly, not left to the umask, so only the
-service user can connect. A tcp:// endpoint outside loopback is refused at bind unless ZeroMQ
-CURVE keys are configured (`CurveKeys`: libzmq's own encryption and key authentication; the server
-lets in only the configured client key).
+service user can connect. A folder another user owns or can write in (not sticky), or a socket
+file of another user at the endpoint's path, is refused at bind, naming that user. Every message
+received on ipc:// carries the kernel's credentials of its sender (libzmq's "Peer-Address"
+property, `localhost:uid:gid:pid`): one whose uid is not trusted (the service's user, root,
+`service.allowed_uids`: common/trust.py) is dropped, counted (`bad_messages["foreign_uid"]`) and
+logged. `check_ipc_server` asks the kernel who bound an endpoint before a client sends it anything.
+A tcp:// endpoint outside loopback is refused at bind unless ZeroMQ CURVE keys are configured
+(`CurveKeys`: libzmq's own encryption and key authentication; the server lets in only the
+configured client key).
+
+What a peer can make a channel hold is bounded before anything is decoded: libzmq drops the
+connection of a peer whose frame is larger than `max_bytes` (MAXMSGSIZE) before buffering it,
+queues at most RCV_HWM frames per connection (then stops reading it: the sender waits), and one
+`poll` takes at most DRAIN_BYTES of frames (the rest wait in libzmq's queues).
 
 Sockets are not thread-safe: one thread owns a channel. Services that wait on several sockets
 register `channel.socket` with their own zmq.Poller and call `poll(0)` when it is readable.
@@ -32,6 +43,7 @@ register `channel.socket` with their own zmq.Poller and call `poll(0)` when it i
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import ipaddress
 import logging
@@ -40,6 +52,7 @@ import socket as pysocket
 import stat
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import zmq
@@ -48,17 +61,23 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from common.config import Config
 from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
+from common.trust import Peer, folder_problem, listener, owner_problem, private_dir, trusted_uids, who
 
 log = logging.getLogger("dfpipe.channel")
 
-DEFAULT_HWM = 1000
+DEFAULT_HWM = 1000               # frames queued for sending (per peer)
+RCV_HWM = 8                      # frames libzmq queues per connection on receiving: at most ~10 MiB a peer
 MAX_DRAIN = 1000                 # frames taken per poll() so one chatty peer cannot starve a loop
+DRAIN_BYTES = 8 << 20            # bytes of frames taken per poll(): what one poll holds before decoding
+TRIM_BYTES = 64 << 20            # bytes taken after which an emptied queue gives freed memory back
+ENDPOINT_KEYS = "service.target_endpoint / service.trainer_endpoint"
 _UNIX_PATH_MAX = 107             # sun_path is 108 bytes including the terminating NUL
 _LOG_FIRST = 10                  # log every bad frame of a kind up to this many, then 1 in 1000
 
 
 class ChannelError(RuntimeError):
-    """An endpoint that cannot be bound or connected (bad address, in use, path too long)."""
+    """An endpoint that cannot be bound or connected (bad address, in use, path too long, another
+    user's folder or socket)."""
 
 
 class RequestTimeout(TimeoutError):
@@ -88,18 +107,28 @@ def _check_endpoint(endpoint: str) -> None:
                            "(a kernel limit of unix sockets); use a shorter path")
 
 
+def _not_ours(endpoint: str, problem: str) -> ChannelError:
+    return ChannelError(f"endpoint {endpoint}: {problem}; another user could take the endpoint or read what is "
+                        f"sent to it. Set {ENDPOINT_KEYS} (whichever names it) to an ipc:// path in a folder of "
+                        f"this user's own, e.g. the default ipc://{private_dir()}/NAME.sock")
+
+
 def _refuse_live_ipc(endpoint: str, path: str) -> None:
-    """Raise unless `path` is free or a stale socket file.
+    """Raise unless `path` is free or a stale socket file of this user's.
 
     libzmq's bind silently replaces an existing socket file, which would steal the endpoint from
     a live server. A connect() to the file tells the two apart: a listener accepts, a stale file
-    refuses (ECONNREFUSED). libzmq then replaces the stale file itself."""
+    refuses (ECONNREFUSED). libzmq then replaces the stale file itself. Another user's socket file,
+    live or stale, is refused: replacing it is not ours to do."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise ChannelError(f"endpoint {endpoint}: {path} exists and is not a socket")
+    problem = owner_problem(path, st)
+    if problem:
+        raise _not_ours(endpoint, problem)
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -229,38 +258,102 @@ def _allow_client_key(ctx: zmq.Context, public: bytes) -> None:
         entry[1].keys.add(public)
 
 
-def _secure_ipc_folder(path: str) -> None:
+def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> None:
     """The socket's folder: created 0700 when missing; an existing one of the service user's own
-    (not a shared sticky folder such as /tmp) set to 0700 too. The socket file itself is 0600."""
+    (not a shared sticky folder such as /tmp) set to 0700 too. The socket file itself is 0600.
+    Refused (ChannelError naming the owner) when a user outside `trusted` owns it, or may create
+    and replace names in it."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
-        st = os.stat(folder)
-        if st.st_uid != os.getuid() or st.st_mode & stat.S_ISVTX:
-            return  # a shared folder: the 0600 socket file is what keeps others out
+        pass
     except FileNotFoundError:
         os.makedirs(folder, exist_ok=True)
-    os.chmod(folder, 0o700)  # explicitly: mkdir's mode is filtered by the umask
+    st = os.lstat(folder)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+        os.chmod(folder, 0o700)  # explicitly: mkdir's mode is filtered by the umask
+    # a shared sticky folder (/tmp): the 0600 socket file is what keeps others out
+    problem = folder_problem(folder, trusted)
+    if problem:
+        raise _not_ours(endpoint, problem)
 
 
-def _common_options(sock: zmq.Socket, hwm: int) -> None:
+def _unix_address(endpoint: str) -> str | None:
+    """The AF_UNIX address of an ipc:// endpoint (a path, or "\\0name" for ipc://@name), else None."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    name = endpoint[len("ipc://"):]
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def check_ipc_server(endpoint: str, allowed_uids: Iterable[int] = ()) -> bool:
+    """Before a client sends an ipc:// server anything (a HELLO carries the session secret): True when
+    a process of a trusted user (this one's, root, `allowed_uids`) listens at `endpoint`, False when
+    nobody does yet. Raises ChannelError naming the user when someone else bound it, or owns or can
+    write its folder. True for other transports (tcp: CURVE keys say who the server is)."""
+    address = _unix_address(endpoint)
+    if address is None:
+        return True
+    trusted = trusted_uids(allowed_uids)
+    if not address.startswith("\0"):
+        folder = os.path.dirname(os.path.abspath(address))
+        if os.path.exists(folder) and (problem := folder_problem(folder, trusted)):
+            raise _not_ours(endpoint, problem)
+    try:
+        peer = listener(address)
+    except PermissionError:
+        st = os.stat(address)
+        raise _not_ours(endpoint, f"its socket file belongs to {who(st.st_uid)} and refuses this user") from None
+    except OSError as e:
+        raise ChannelError(f"endpoint {endpoint}: cannot ask who listens there: {e}") from None
+    if peer is None:
+        return False
+    if peer.uid not in trusted:
+        raise ChannelError(f"endpoint {endpoint} is bound by {who(peer.uid)} (pid {peer.pid}), not by this "
+                           f"service's user, root or one of service.allowed_uids: sending it nothing")
+    return True
+
+
+def _peer(frame: zmq.Frame) -> Peer | None:
+    """The sender of a frame received on ipc://, from libzmq's "Peer-Address" property
+    ("localhost:uid:gid:pid": SO_PEERCRED of the connection); None when it is not there."""
+    try:
+        _host, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
+        return Peer(int(uid), int(gid), int(pid))
+    except (zmq.ZMQError, ValueError, AttributeError):
+        return None
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): free pages of every malloc arena back to the system (no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _common_options(sock: zmq.Socket, hwm: int, max_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)  # a closing service must never wait for an absent peer
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    # before buffering: a peer whose frame is larger is disconnected (frames of the protocol's own
+    # messages are never larger: `Message.encode` refuses to build them)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
 
 
 def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
-                curve: CurveKeys | None = None) -> zmq.Socket:
+                curve: CurveKeys | None = None, allowed_uids: Iterable[int] = ()) -> zmq.Socket:
     """A bound ROUTER socket.
 
     ROUTER_MANDATORY: sending to a gone peer raises EHOSTUNREACH (counted by RouterChannel)
     instead of vanishing. ROUTER_HANDOVER: a client reconnecting with an identity still held by a
     dead or stopped connection takes it over (without it the newcomer would be ignored).
-    MAXMSGSIZE: libzmq disconnects a peer sending a message far over the protocol limit before it
-    is buffered. For ipc:// the parent folder is created (0700) and a stale socket file is replaced,
-    but a live one is refused (see `_refuse_live_ipc`); the socket file is made 0600. tcp://HOST:*
-    binds a free port: read `RouterChannel.endpoint`; outside loopback only with `curve` keys."""
+    MAXMSGSIZE, RCVHWM: see the module docstring. For ipc:// the parent folder is created (0700)
+    and must be one only trusted users (this one, root, `allowed_uids`) control; a stale socket file
+    of ours is replaced, but a live one, or another user's, is refused (see `_refuse_live_ipc`); the
+    socket file is made 0600. tcp://HOST:* binds a free port: read `RouterChannel.endpoint`;
+    outside loopback only with `curve` keys."""
     _check_endpoint(endpoint)
     if endpoint.startswith("tcp://") and not is_loopback(endpoint) and curve is None:
         raise ChannelError(f"endpoint {endpoint}: a tcp endpoint outside loopback would let anyone who can reach "
@@ -268,16 +361,15 @@ def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESS
                            "service.curve_client_key, made by `dfpipe keys --out DIR`) or bind 127.0.0.1")
     path = _ipc_path(endpoint)
     if path is not None:
-        _secure_ipc_folder(path)
+        _secure_ipc_folder(endpoint, path, trusted_uids(allowed_uids))
         _refuse_live_ipc(endpoint, path)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     try:
-        _common_options(sock, hwm)
+        _common_options(sock, hwm, max_bytes)
         if curve is not None:
             curve.apply_server(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes + 1024)
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         sock.close()
@@ -292,7 +384,8 @@ def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESS
 
 
 def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                   immediate: bool = False, curve: CurveKeys | None = None) -> zmq.Socket:
+                   immediate: bool = False, curve: CurveKeys | None = None,
+                   max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
     """A DEALER connected (asynchronously: the peer may come up later) to `endpoint`.
 
     `identity`: how the ROUTER addresses this client; None lets ZeroMQ pick a random one. A
@@ -307,7 +400,7 @@ def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFA
         raise ChannelError(f"identity must be 1..255 bytes not starting with NUL, got {identity!r}")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
-        _common_options(sock, hwm)
+        _common_options(sock, hwm, max_bytes)
         sock.setsockopt(zmq.IMMEDIATE, 1 if immediate else 0)
         if curve is not None:
             curve.apply_client(sock)
@@ -326,27 +419,60 @@ def connect_dealer(endpoint: str, identity: bytes | None = None, hwm: int = DEFA
 class _Channel:
     """What both ends share: decoding with the bad-frame policy and drop counters."""
 
-    def __init__(self, sock: zmq.Socket, max_bytes: int) -> None:
+    def __init__(self, sock: zmq.Socket, max_bytes: int, peers: frozenset[int] | None) -> None:
+        """peers: the uids whose messages are taken (ipc:// only; None: whoever can connect)."""
         self.socket = sock
         self.max_bytes = max_bytes
-        self.bad_messages: collections.Counter[str] = collections.Counter()   # by ProtocolError.code
+        self.peers = peers
+        # by ProtocolError.code, or "foreign_uid" (a sender outside `peers`)
+        self.bad_messages: collections.Counter[str] = collections.Counter()
         self.dropped_sends: collections.Counter[str] = collections.Counter()  # "full", "gone", "no_peer"
+        self._untrimmed = 0       # bytes taken since memory was last given back (`_give_back_memory`)
+        self._emptied = False     # the last drain found the queue empty
 
     def fileno(self) -> int:
         """ZeroMQ's notification fd (edge-triggered: after it fires, drain with poll(0))."""
         return self.socket.getsockopt(zmq.FD)
 
     def _drain(self, timeout_s: float) -> list[list[bytes]]:
-        """Wait up to timeout_s for traffic, then take every pending message (up to MAX_DRAIN)."""
+        """Wait up to timeout_s for traffic, then take the pending messages: up to MAX_DRAIN of them
+        and DRAIN_BYTES (at least one); those of an untrusted sender are dropped here."""
         if not self.socket.poll(_timeout_ms(timeout_s), zmq.POLLIN):
             return []
-        out = []
+        out, taken = [], 0
         for _ in range(MAX_DRAIN):
             try:
-                out.append(self.socket.recv_multipart(zmq.NOBLOCK))
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._emptied = True
                 break
+            taken += sum(len(f) for f in frames)
+            if self._trusted(frames):
+                out.append([f.bytes for f in frames])
+            if taken >= DRAIN_BYTES:
+                break
+        self._untrimmed += taken
         return out
+
+    def _give_back_memory(self) -> None:
+        """After many bytes were taken and the queue is empty again (a flood is over): glibc keeps the
+        freed frames' memory in its arenas, scattered between live blocks, so the process would stay
+        that much larger; malloc_trim hands every free page back. Never for ordinary traffic."""
+        if self._emptied and self._untrimmed >= TRIM_BYTES:
+            _malloc_trim()
+            self._untrimmed = 0
+        self._emptied = False
+
+    def _trusted(self, frames: list[zmq.Frame]) -> bool:
+        if self.peers is None:
+            return True
+        peer = _peer(frames[-1])
+        if peer is not None and peer.uid in self.peers:
+            return True
+        sender = "an unknown sender" if peer is None else f"{who(peer.uid)}, pid {peer.pid}"
+        self._bad("foreign_uid", f"sent by {sender}: not this service's user, root or one of service.allowed_uids",
+                  frames[0].bytes if len(frames) > 1 else None)
+        return False
 
     def _encode(self, msg: Message) -> bytes | None:
         # Too large for the peer's limit: a sender bug, but a service must not die of it.
@@ -386,9 +512,10 @@ class RouterChannel(_Channel):
     its identity. `endpoint` afterwards holds the bound address (the real port for tcp://H:*)."""
 
     def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
-                 curve: CurveKeys | None = None) -> None:
-        sock = bind_router(endpoint, hwm, max_bytes, curve)
-        super().__init__(sock, max_bytes)
+                 curve: CurveKeys | None = None, allowed_uids: Iterable[int] = ()) -> None:
+        """allowed_uids: on ipc://, whose messages are taken besides this user's and root's."""
+        sock = bind_router(endpoint, hwm, max_bytes, curve, allowed_uids)
+        super().__init__(sock, max_bytes, trusted_uids(allowed_uids) if endpoint.startswith("ipc://") else None)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         path = _ipc_path(self.endpoint)
         # Remember which socket file is ours so close() removes it, and only it (libzmq leaves it).
@@ -406,6 +533,7 @@ class RouterChannel(_Channel):
             msg = self._decode(frames[1], peer)
             if msg is not None:
                 out.append((peer, msg))
+        self._give_back_memory()   # the frames are garbage by now
         return out
 
     def send(self, peer: bytes, msg: Message) -> bool:
@@ -441,8 +569,12 @@ class DealerChannel(_Channel):
     """The client end, connected to one server (see `connect_dealer`)."""
 
     def __init__(self, endpoint: str, identity: bytes | None = None, hwm: int = DEFAULT_HWM,
-                 max_bytes: int = MAX_MESSAGE_BYTES, immediate: bool = False, curve: CurveKeys | None = None) -> None:
-        super().__init__(connect_dealer(endpoint, identity, hwm, immediate, curve), max_bytes)
+                 max_bytes: int = MAX_MESSAGE_BYTES, immediate: bool = False, curve: CurveKeys | None = None,
+                 allowed_uids: Iterable[int] | None = None) -> None:
+        """allowed_uids: on ipc://, take messages only from this user, root and these (None: from
+        whichever server it reaches; `dfpipe ctl` run by root talks to a service user's server)."""
+        peers = trusted_uids(allowed_uids) if allowed_uids is not None and endpoint.startswith("ipc://") else None
+        super().__init__(connect_dealer(endpoint, identity, hwm, immediate, curve, max_bytes), max_bytes, peers)
         self.endpoint = endpoint
         self._unsent = "no_peer" if immediate else "full"
 
@@ -483,14 +615,15 @@ class DealerChannel(_Channel):
             msg = self._check_frames(frames)
             if msg is not None:
                 out.append(msg)
+        self._give_back_memory()
         return out
 
     def _recv_one(self) -> Message | None:
         try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return self._check_frames(frames)
+        return self._check_frames([f.bytes for f in frames]) if self._trusted(frames) else None
 
     def _check_frames(self, frames: list[bytes]) -> Message | None:
         if len(frames) != 1:

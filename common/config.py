@@ -19,6 +19,7 @@ import yaml
 
 # the wire's bounds: a config the protocol cannot carry is refused at load, naming its key
 from common.protocol import MAX_EPOCHS, MAX_HELDOUT, MAX_SLOTS, MAX_WORKERS
+from common.trust import private_dir
 
 
 class ConfigError(ValueError):
@@ -110,10 +111,17 @@ class TrainConfig:
     new_plan: bool = False              # resume the weights under a changed data plan, accounting anew
 
 
+def _private_endpoint(name: str) -> str:
+    """ipc://<this user's private folder>/<name>.sock (common.trust.private_dir)."""
+    return f"ipc://{private_dir()}/{name}.sock"
+
+
 @dataclass
 class ServiceConfig:
-    target_endpoint: str = "ipc:///tmp/dfpipe-target.sock"
-    trainer_endpoint: str = "ipc:///tmp/dfpipe-trainer.sock"
+    # default: in this user's private folder ($XDG_RUNTIME_DIR/dfpipe or /tmp/dfpipe-<uid>, made 0700)
+    target_endpoint: str = field(default_factory=lambda: _private_endpoint("target"))
+    trainer_endpoint: str = field(default_factory=lambda: _private_endpoint("trainer"))
+    allowed_uids: list[int] = field(default_factory=list)  # ipc peers trusted besides this user and root
     heartbeat_s: float = 1.0            # PING period
     lease_s: float = 10.0               # no PONG for this long: the peer is presumed hung
     rescan_s: float = 0.5               # header re-scan period (ZeroMQ is only the doorbell)
@@ -300,6 +308,8 @@ def validate(cfg: Config) -> Config:
     need(not cfg.data.heldout_path or cfg.resolve(cfg.data.heldout_path) != cfg.resolve(cfg.data.train_path),
          "data.heldout_path: must not be data.train_path (held-out rows are never training rows)")
     need(cfg.service.lease_s > cfg.service.heartbeat_s > 0, "service: need lease_s > heartbeat_s > 0")
+    need(all(0 <= uid < 2 ** 32 - 1 for uid in cfg.service.allowed_uids),
+         "service.allowed_uids: user ids (numbers from 0), e.g. [1001]")
     need(bool(cfg.service.curve_server_key) == bool(cfg.service.curve_client_key),
          "service.curve_server_key and service.curve_client_key: set both or neither (`dfpipe keys --out DIR`)")
     need(cfg.cluster.num_hosts >= 1, f"cluster.num_hosts: at least 1 (got {cfg.cluster.num_hosts})")

@@ -16,6 +16,10 @@ different inodes of one name; `acquire` closes that hole by checking, after the 
 that the path still names the inode it locked, and starting over if not. (A SIGKILLed holder
 leaves the file behind; the next holder re-uses it.) A hung but alive process keeps its lock:
 that case is caught by application heartbeats.
+
+A lock file is this user's own: one that another user made first under the same name (in a shared
+folder such as /dev/shm), or a symbolic link, is refused (`Untrusted`, naming its owner), never
+opened for writing or locked.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import fcntl
 import os
 import threading
 import time
+
+from common.trust import Untrusted, owner_problem
 
 # A probe (anyone_holds) takes the lock for microseconds; a starter retries at least this long so a
 # probe racing with it never makes it fail.
@@ -140,7 +146,8 @@ class RoleLock:
         return self._fd is not None
 
     def acquire(self, timeout: float = 0.0) -> None:
-        """Take the lock, waiting up to `timeout` s (at least PROBE_GRACE_S); LockHeld if it stays taken."""
+        """Take the lock, waiting up to `timeout` s (at least PROBE_GRACE_S); LockHeld if it stays taken,
+        Untrusted if the lock file is another user's."""
         with self._mutex:
             if self._fd is not None:
                 raise RuntimeError(f"{self.path}: already held by this RoleLock")
@@ -148,7 +155,7 @@ class RoleLock:
                 raise FileNotFoundError(f"lock directory {self.directory} does not exist")
             deadline = time.monotonic() + max(timeout, PROBE_GRACE_S)
             while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fd = self._open()
                 try:
                     self._lock(fd, max(0.0, deadline - time.monotonic()))
                 except BaseException:
@@ -166,6 +173,31 @@ class RoleLock:
                 os.close(fd)
                 raise
             self._fd = fd
+
+    def _open(self) -> int:
+        """The lock file, created 0600 when missing; Untrusted when it is another user's or a link."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                raise
+            try:
+                problem = owner_problem(self.path, os.lstat(self.path))
+            except FileNotFoundError:
+                problem = None
+            if problem is None:
+                raise
+            raise Untrusted(f"{self.role} lock file {problem}") from None
+        problem = owner_problem(self.path, os.fstat(fd))
+        if problem is not None:
+            os.close(fd)
+            raise Untrusted(f"{self.role} lock file {problem}")
+        return fd
+
+    def still_linked(self) -> bool:
+        """The lock file is still there (someone may have removed it while we hold it)."""
+        with self._mutex:
+            return self._fd is not None and self._still_linked(self._fd)
 
     def _lock(self, fd: int, timeout: float) -> None:
         mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB

@@ -58,6 +58,16 @@ name and worker takes the role lock, unlinks it and starts a new file under a la
 epoch. A consumer that still maps the old file keeps a valid mapping (unlinking never unmaps) and
 learns the new path over ZeroMQ. Nobody but that next producer ever unlinks a ring file, and the
 rings do not use multiprocessing.shared_memory, so its resource tracker never sees them.
+
+Names in a shared folder: the shared-memory folder must be one only this user and root control
+(/dev/shm is sticky: another user can add names but not remove or replace ours). A ring or lock
+name that another user made first is never used: the producer role is refused naming that user
+(`common.trust.Untrusted`), and a ring-like file of another user's is neither removed nor counted
+as a predecessor. A consumer maps only a ring file of a trusted user's.
+
+Files removed from under a live producer (an operator cleaning /dev/shm): `removed_files` says
+so, `renewed` makes a new file under a larger producer epoch (taking the role again on a new lock
+file if that went too), and `retire` makes the old ring refuse further slots (`RingReplaced`).
 """
 from __future__ import annotations
 
@@ -83,6 +93,7 @@ from common.atomics import Words, ordering_problem
 from common.cuda_host import MODES as CUDA_MODES
 from common.cuda_host import CudaRegisterError, HostRegistration, register_mapping
 from common.liveness import RoleLock, pid_alive, self_identity
+from common.trust import Untrusted, folder_problem, owner_problem, trusted_uids, who
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +147,10 @@ class RingSpaceError(RingError):
 
 class StaleSlot(RingError):
     """The slot no longer holds that publication as READY, or its table is invalid."""
+
+
+class RingReplaced(RingError):
+    """This ring was retired (its files were removed and a new ring replaces it): use the new one."""
 
 
 class SlotState(enum.IntEnum):
@@ -452,11 +467,15 @@ class ProducerRing(_RingMap):
     _bad_table_log_level = logging.WARNING
 
     def __init__(self, path: str, mm: mmap.mmap, worker: int, slot_count: int, slot_size: int,
-                 data_offset: int, producer_epoch: int, lock: RoleLock) -> None:
+                 data_offset: int, producer_epoch: int, lock: RoleLock, name: str, cuda_register: str) -> None:
         super().__init__(path, mm, slot_count, slot_size, data_offset)
         self.worker = worker
+        self.name = name
         self.producer_epoch = producer_epoch
-        self._role_lock = lock
+        self._cuda_register = cuda_register
+        self._role_lock: RoleLock | None = lock   # None once handed to the ring that renewed this one
+        self._inode = os.stat(path).st_ino
+        self._retired = False
         self._lock = threading.Lock()  # producer-side transitions between worker and main thread
         self._waiter = Backoff()
         pid, start = self_identity()
@@ -477,8 +496,11 @@ class ProducerRing(_RingMap):
         to load) takes it first and hands it to `create`, so a second one is refused at once."""
         if not os.path.isdir(shm_dir):
             raise RingError(f"shared-memory directory {shm_dir} does not exist (is /dev/shm mounted?)")
+        problem = folder_problem(shm_dir, trusted_uids())
+        if problem:
+            raise Untrusted(f"the shared-memory folder: {problem}")
         lock = RoleLock(shm_dir, f"{name}.w{worker}", "producer")
-        lock.acquire()
+        lock.acquire()   # Untrusted when another user made the lock file first
         return lock
 
     @staticmethod
@@ -540,7 +562,7 @@ class ProducerRing(_RingMap):
             path = ring_path(shm_dir, name, worker, epoch)
             _check_space(shm_dir, file_size, slot_count, slot_size)
             mm = _create_file(path, file_size, slot_count, slot_size)
-            ring = cls(path, mm, worker, slot_count, slot_size, data_offset, epoch, lock)
+            ring = cls(path, mm, worker, slot_count, slot_size, data_offset, epoch, lock, name, cuda_register)
             mm = None  # owned by the ring from here on
             try:
                 ring._register(cuda_register)
@@ -578,6 +600,7 @@ class ProducerRing(_RingMap):
             self._waiter.arm()
             with self._lock:
                 self._check_open()
+                self._check_current()
                 self._reclaim_locked()
                 for index in range(self.slot_count):
                     stamp = self._load_stamp(index)
@@ -611,6 +634,7 @@ class ProducerRing(_RingMap):
     def _mark_ready(self, writer: "SlotWriter") -> None:
         with self._lock:
             self._check_open()
+            self._check_current()   # nobody reads a retired ring: what was written there is dropped
             self._words.store(self._hw(writer.index, _H.STAMP), _stamp(writer.pub_seq, SlotState.READY))
 
     # -- main thread --------------------------------------------------------------------------
@@ -678,6 +702,44 @@ class ProducerRing(_RingMap):
     def heartbeat(self) -> None:
         self._words.store(_C.HEARTBEAT_NS, time.monotonic_ns())
 
+    # -- files removed from under it ------------------------------------------------------------
+    def removed_files(self) -> list[str]:
+        """This ring's file and its role's lock file, those no longer where they were (two stats)."""
+        gone = []
+        try:
+            if os.stat(self.path).st_ino != self._inode:
+                gone.append(self.path)
+        except FileNotFoundError:
+            gone.append(self.path)
+        if self._role_lock is not None and not self._role_lock.still_linked():
+            gone.append(self._role_lock.path)
+        return gone
+
+    def renewed(self) -> "ProducerRing":
+        """A new ring (a new file, a larger producer epoch, all slots FREE) for this one's name and
+        worker, after `removed_files`. It keeps the producer role: the same lock when its file is
+        still there, else the role taken again on a new lock file (LockHeld when another producer
+        took it meanwhile). Call `retire` on this one next."""
+        role = self._role_lock
+        shm_dir = os.path.dirname(self.path)
+        if role is None or not role.still_linked():
+            role = ProducerRing.take_role(shm_dir, self.name, self.worker)
+        else:
+            self._role_lock = None   # the new ring owns it now: closing this one must not release it
+        return ProducerRing.create(shm_dir, self.name, self.worker, self.slot_count, self.slot_size,
+                                   self._cuda_register, role)
+
+    def retire(self) -> None:
+        """From now on taking a slot or publishing one raises RingReplaced (the thread using the ring
+        then drops that batch and closes the ring: it may still be writing into it)."""
+        with self._lock:
+            self._retired = True
+        self.wake()
+
+    def _check_current(self) -> None:
+        if self._retired:
+            raise RingReplaced(f"{self.path} was replaced by a new ring (its files had been removed)")
+
     def wake(self) -> None:
         """Cut short a wait in acquire() (call when an ACK message arrives)."""
         self._waiter.wake()
@@ -694,7 +756,8 @@ class ProducerRing(_RingMap):
             self._unmap()
         if unlink:
             _unlink_quietly(self.path)
-        self._role_lock.release(unlink=unlink)  # a clean exit leaves nothing in /dev/shm
+        if self._role_lock is not None:
+            self._role_lock.release(unlink=unlink)  # a clean exit leaves nothing in /dev/shm
 
     def __enter__(self) -> "ProducerRing":
         return self
@@ -773,19 +836,24 @@ class ConsumerRing(_RingMap):
     producer_epoch: int
 
     @classmethod
-    def attach(cls, path: str, cuda_register: str = "auto") -> "ConsumerRing":
-        """Map an existing ring file after checking that it is one this build can read."""
+    def attach(cls, path: str, cuda_register: str = "auto", trusted: frozenset[int] | None = None) -> "ConsumerRing":
+        """Map an existing ring file after checking that it is one this build can read, and that it
+        belongs to a `trusted` user (default: this one and root; common.trust)."""
         _require_tso()
         if cuda_register not in CUDA_MODES:
             raise RingError(f"cuda_register {cuda_register!r}: one of {CUDA_MODES}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise RingError(f"no ring at {path} (producer gone? ask the server for the current path)") from None
         except OSError as e:
             raise RingError(f"cannot open ring {path}: {e}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if st.st_uid not in (trusted_uids() if trusted is None else trusted):
+                raise RingError(f"{path} belongs to {who(st.st_uid)}, not to this service's user, root or one of "
+                                "service.allowed_uids: not mapping it")
+            size = st.st_size
             if size < PAGE:
                 raise RingError(f"{path} is {size} bytes: too small to be a ring")
             mm = _map(fd, size)
@@ -916,6 +984,10 @@ def _remove_stale_rings(shm_dir: str, name: str, worker: int) -> int:
             suffix = entry.name[len(prefix):]
             if not entry.name.startswith(prefix) or not suffix.isdigit() or not entry.is_file(follow_symlinks=False):
                 continue
+            problem = owner_problem(entry.path, entry.stat(follow_symlinks=False))
+            if problem:   # not a predecessor of ours: another user's file under our ring's name
+                log.warning("ignoring %s: not a ring of this server's (%s)", entry.path, problem)
+                continue
             newest = max(newest, int(suffix))
             try:
                 os.unlink(entry.path)
@@ -946,7 +1018,9 @@ def _create_file(path: str, size: int, slot_count: int, slot_size: int) -> mmap.
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        raise RingError(f"{path} already exists although this process holds the producer role") from None
+        problem = owner_problem(path, os.lstat(path))
+        raise RingError(f"{path} already exists although this process holds the producer role"
+                        + (f": {problem}" if problem else "")) from None
     try:
         try:
             os.posix_fallocate(fd, 0, size)

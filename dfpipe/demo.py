@@ -120,9 +120,6 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
     out_dir = cfg.resolve(cfg.train.out_dir)
     resumed = _continue_or_clear(out_dir, fresh)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    for ep in (cfg.service.target_endpoint, cfg.service.trainer_endpoint):
-        if ep.startswith("ipc://"):
-            os.makedirs(os.path.dirname(ep[len("ipc://"):]), exist_ok=True)
     t0 = time.time()
     print(f"dfpipe demo: config {config}\n  logs in {out_dir}/logs", flush=True)
     if resumed is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.channel import CurveKeys, RouterChannel
@@ -27,11 +27,11 @@ class TrainerFlags:
 
 class TrainerControl(threading.Thread):
     def __init__(self, endpoint: str, flags: TrainerFlags, status: Callable[[], dict[str, Any]],
-                 max_bytes: int, curve: CurveKeys | None = None) -> None:
+                 max_bytes: int, curve: CurveKeys | None = None, allowed_uids: Iterable[int] = ()) -> None:
         super().__init__(name="trainer-control", daemon=True)
         self.flags = flags
         self.status = status
-        self.channel = RouterChannel(endpoint, hwm=64, max_bytes=max_bytes, curve=curve)
+        self.channel = RouterChannel(endpoint, hwm=64, max_bytes=max_bytes, curve=curve, allowed_uids=allowed_uids)
         self._halt = threading.Event()
 
     def run(self) -> None:

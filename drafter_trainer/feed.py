@@ -27,6 +27,7 @@ delivers them again; a repeat replaces the copy with the same index.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import secrets
@@ -40,13 +41,14 @@ import torch
 
 from common.batch import PAYLOAD_TENSORS, BatchError, PackedBatch, check_batch
 from common.checksum import META_KEY, ChecksumMismatch, check_payload, payload_checksums
-from common.channel import CurveKeys, DealerChannel
+from common.channel import ChannelError, CurveKeys, DealerChannel, check_ipc_server
 from common.config import Config
 from common.liveness import process_start_time
 from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Ping, Pong, ProtocolError, Reply,
                              Welcome, check_plan, next_rid)
 from common.ring import ConsumerRing, ProducerRing, RingError, StaleSlot
 from common.seqset import SeqSet
+from common.trust import trusted_uids
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +190,10 @@ class RingFeed:
         # An identity nobody can guess: the server addresses this rank by it, and a connection that
         # claimed a known identity would take over the rank's announcements (ROUTER_HANDOVER).
         chan = DealerChannel(svc.target_endpoint, identity=f"rank{self.rank}-{secrets.token_hex(8)}".encode(),
-                             max_bytes=svc.max_message_bytes, curve=CurveKeys.from_config(self.cfg))
+                             max_bytes=svc.max_message_bytes, curve=CurveKeys.from_config(self.cfg),
+                             allowed_uids=svc.allowed_uids)
         try:
-            self._hello(chan)
-            last_hello = time.monotonic()
+            last_hello = time.monotonic() if self._hello_if_ours(chan) else -math.inf
             while not self._stop.is_set():
                 msg = chan.recv(timeout_s=0.05 if self._pending else svc.rescan_s)
                 while msg is not None:
@@ -208,8 +210,8 @@ class RingFeed:
                         log.warning("rank %d: target server gone (silent for %.1fs or its ring producer died); "
                                     "waiting for it", self.rank, now - self._last_server)
                         self.state = "waiting_for_target"
-                    self._hello(chan)
-                    last_hello = now
+                    if self._hello_if_ours(chan):
+                        last_hello = now
         except Exception as e:  # surfaced to the training thread through .error/.state
             log.exception("rank %d feed failed", self.rank)
             self.error = repr(e)
@@ -217,6 +219,23 @@ class RingFeed:
             self.welcomed.set()
         finally:
             chan.close()
+
+    def _hello_if_ours(self, chan: DealerChannel) -> bool:
+        """Say HELLO once the kernel says a process of a trusted user (ours, root, service.allowed_uids)
+        bound the endpoint: a HELLO carries the session secret. False, nothing sent, while nobody
+        listens there yet, or someone else does (said once, then in the wait's log: `error`)."""
+        svc = self.cfg.service
+        try:
+            if not check_ipc_server(svc.target_endpoint, svc.allowed_uids):
+                self.error = ""   # what was said about a listener gone since is no longer so
+                return False
+        except ChannelError as e:
+            if str(e) != self.error:
+                log.error("rank %d: not saying HELLO: %s", self.rank, e)
+            self.error = str(e)
+            return False
+        self._hello(chan)
+        return True
 
     def _hello(self, chan: DealerChannel) -> None:
         if self.state != "fenced" and self.consumer_epoch >= 0:
@@ -298,7 +317,17 @@ class RingFeed:
                 self.rings.pop(w).close()
         for ri in msg.rings:
             if ri.worker not in self.rings:
-                self.rings[ri.worker] = ConsumerRing.attach(ri.path, cuda_register=self.cfg.ring.cuda_register)
+                try:
+                    self.rings[ri.worker] = ConsumerRing.attach(ri.path, cuda_register=self.cfg.ring.cuda_register,
+                                                                trusted=trusted_uids(self.cfg.service.allowed_uids))
+                except RingError as e:
+                    # e.g. its files were removed and the server has not noticed yet: it makes the ring
+                    # anew and names the new one in its answer to the next HELLO
+                    self.error = f"cannot map the ring the target server named for worker {ri.worker}: {e}"
+                    log.error("rank %d: %s; saying HELLO again", self.rank, self.error)
+                    self._awaiting_welcome = True   # still no session to take announcements under
+                    self.state = "connecting"
+                    return
         self.consumer_epoch = msg.consumer_epoch
         self._pending.clear()
         with self._lock:  # the new server may serve fewer held-out batches than the old one

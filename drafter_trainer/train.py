@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.channel import CurveKeys
+from common.channel import ChannelError, CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
@@ -441,7 +441,8 @@ class Trainer:
         t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
-                                          cfg.service.max_message_bytes, CurveKeys.from_config(cfg))
+                                          cfg.service.max_message_bytes, CurveKeys.from_config(cfg),
+                                          cfg.service.allowed_uids)
             self.control.start()
             start_metrics_server(cfg.service.trainer_metrics_port, "dfpipe_trainer", self.status)
         self.state = "waiting_for_target"
@@ -866,6 +867,8 @@ def main(cfg: Config) -> int:
     except NoCheckpointVerifies as e:
         log.error("trainer stopped: %s", e)
         rc = EXIT_NO_CHECKPOINT_VERIFIES
+    except ChannelError as e:   # e.g. another user's endpoint folder: a setting to change, one line
+        log.error("trainer refused: %s", e)
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)

@@ -465,6 +465,15 @@ class DeliveryCore:
         s.last_commit_step = msg.step
         return [Send(peer, Reply(rid=msg.rid, ok=True, result={"committed": s.committed.size}, error=""))]
 
+    def on_ring_renewed(self, worker: int, reason: str) -> list[Action]:
+        """A worker's ring was made anew (its files had been removed): its slots, and what was
+        announced from them, are gone. The session maps the old file: it is fenced (its ranks say
+        HELLO again and get the new ring), and both streams are planned again from the rings as
+        they are now, so the batches of the old slots are computed again."""
+        for key in [k for k in self.announced_from_slot if k[0] == worker]:
+            del self.announced_from_slot[key]
+        return self._end_session(reason) + [Replan(stream) for stream in STREAMS]
+
     def touch(self, peer: bytes, now: float) -> None:
         """A message from `peer` (any kind): a rank of the session is alive."""
         if self.session is not None and peer in self.session.peers:

@@ -20,6 +20,18 @@ consumer epoch, replan the work queue, scan again: `run_actions`).
 
 ZeroMQ is only the doorbell: slot headers are re-scanned on a timer, so a lost message costs
 latency, never a batch.
+
+Nothing a peer sends holds the loop: what it may send is bounded in bytes before decoding (the
+channel), a HELLO asking for epochs whose sizes are not known yet is answered "packing" while
+`EpochPlanner` packs them behind (each epoch once per server lifetime), and it says HELLO again.
+
+Ring files removed while serving (an operator cleaning /dev/shm): the re-scan timer, and every
+HELLO before it is answered, checks that each ring's file and lock file are still there. If not,
+the ring is made anew (new file, larger producer epoch: `ProducerRing.renewed`), the trainer's
+session is fenced (it maps the old file) and the batches that were in the old slots are computed
+again; counted in status `ring_files_removed` and logged. The lock file is taken again with it, so
+a second server for the same `ring.name` stays refused. Making the ring anew keeps the loaded
+target and needs nothing of the operator; stopping instead would cost a model load.
 """
 from __future__ import annotations
 
@@ -39,12 +51,50 @@ from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
                              next_rid)
 from common.ring import ProducerRing, SlotState
+from common.trust import Untrusted
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
 from .tiny import BUILTIN_PREFIX, model_folder_problem
 from .worker import TargetWorker
 
 log = logging.getLogger(__name__)
+
+
+class EpochPlanner:
+    """The sizes of the plan's epochs, packed in a background thread: an epoch's size is known only
+    once it is packed (tens of milliseconds for the demo data, seconds for millions of documents),
+    and a HELLO may ask for up to the protocol's MAX_EPOCHS. The loop asks `sizes` and answers
+    "packing" until they are known; the packer keeps every size it learnt, so whatever HELLOs ask
+    for, each epoch is packed once per server lifetime."""
+
+    def __init__(self, packer) -> None:
+        self._packer = packer
+        self._cond = threading.Condition()
+        self.known = 0       # epochs 0 .. known-1 have their sizes
+        self.wanted = 0
+        threading.Thread(target=self._run, name="epoch-planner", daemon=True).start()
+
+    def sizes(self, epochs: int) -> list[int] | None:
+        """Sizes of epochs 0 .. epochs-1 when known (cheap); else None, and they are packed behind."""
+        with self._cond:
+            if epochs > self.known:
+                self.wanted = max(self.wanted, epochs)
+                self._cond.notify()
+                return None
+        return self._packer.epoch_sizes(epochs)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self.wanted > self.known)
+                epoch = self.known
+            try:
+                self._packer.epoch_size(epoch)
+            except Exception:   # a bug: said once, and status `epochs_packed` stays where it is
+                log.exception("packing epoch %d failed: HELLOs asking for it are not answered", epoch)
+                return
+            with self._cond:
+                self.known = epoch + 1
 
 
 class TargetServer:
@@ -69,6 +119,8 @@ class TargetServer:
         self.heldout_dataset, self.heldout_packer, self.heldout_count = None, None, 0
         self.workers: list[TargetWorker] = []
         self.channel: RouterChannel | None = None
+        self.planner: EpochPlanner | None = None
+        self.ring_files_removed = 0                  # times a ring's files were found removed (ring made anew)
 
     # ---- wiring --------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -132,6 +184,10 @@ class TargetServer:
                 raise RuntimeError(f"another target server serves ring {r.name!r} (worker {worker}): {e}. One "
                                    f"server per ring.name: stop that one, or give this one another "
                                    f"ring.name") from None
+            except Untrusted as e:
+                raise RuntimeError(f"ring {r.name!r} (worker {worker}) refused: {e}. Another user took this name "
+                                   f"or controls this folder: set ring.name to another name, or ring.shm_dir to a "
+                                   f"folder of this user's own (or have that file removed)") from None
 
     def _check_config(self) -> None:
         """Mistakes the config alone shows, before anything is taken or loaded: devices this host
@@ -153,10 +209,12 @@ class TargetServer:
         self.channel = RouterChannel(self.cfg.service.target_endpoint,
                                      hwm=max(64, 4 * self.cfg.ring.slots * len(t.devices)),
                                      max_bytes=self.cfg.service.max_message_bytes,
-                                     curve=CurveKeys.from_config(self.cfg))
+                                     curve=CurveKeys.from_config(self.cfg), allowed_uids=self.cfg.service.allowed_uids)
         start_metrics_server(self.cfg.service.target_metrics_port, "dfpipe_target", self.status)
         with self.stages.time("data_prepare"):
             self._load_data()
+        self.planner = EpochPlanner(self.packer)
+        self.planner.sizes(self.cfg.train.epochs)   # the configured run's epochs, packed before a trainer asks
         svc = self.cfg.service
         self.core = DeliveryCore(self.packer.epoch_sizes, self.data_plan, lease_s=svc.lease_s,
                                  announce_retry_s=max(2.0, 4 * svc.rescan_s), heldout_count=self.heldout_count,
@@ -181,7 +239,8 @@ class TargetServer:
                 for info in w.ring.slots():
                     counts[info.state.name] += 1
             rings.append({"worker": w.worker, "device": w.device, "state": w.state,
-                          "path": w.ring.path if w.ring else "", "slots": counts})
+                          "path": w.ring.path if w.ring else "", "slots": counts,
+                          "producer_epoch": w.ring.producer_epoch if w.ring else 0})
         core = self.core
         s = core.session if core else None
         train, held = (core.counts[TRAIN], core.counts[HELDOUT]) if core else ({}, {})
@@ -218,6 +277,9 @@ class TargetServer:
             "sessions": events.get("sessions", 0), "fenced": events.get("fenced", 0),
             "finished": events.get("finished", 0),
             "bad_messages": bad_messages,
+            "foreign_messages": self.channel.bad_messages["foreign_uid"] if self.channel else 0,
+            "ring_files_removed": self.ring_files_removed,
+            "epochs_packed": self.planner.known if self.planner else 0,
             "refused": dict(core.refused) if core else {},
             "stages": self.stages.snapshot(),
         }
@@ -266,10 +328,38 @@ class TargetServer:
             self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
                                           error=f"target server is {self.state}; not serving yet"))
             return
+        if self.planner.sizes(msg.epochs) is None:
+            self.channel.send(peer, Reply(rid=msg.rid, ok=False, result={},
+                                          error=f"target server is packing the {msg.epochs} epochs asked for "
+                                                f"({self.planner.known} known); not serving them yet"))
+            return
+        self._check_ring_files()   # never name a ring file that is gone
         rings = [RingInfo(worker=w.worker, path=w.ring.path, slot_count=w.ring.slot_count,
                           slot_size=w.ring.slot_size, producer_epoch=w.ring.producer_epoch)
                  for w in self.workers if w.ring is not None]
         self._apply(self.core.on_hello(peer, msg, time.monotonic(), self.snapshot(reclaim=False), rings))
+
+    def _check_ring_files(self) -> None:
+        """Make anew every ring whose file or lock file was removed (see the module docstring)."""
+        for w in self.workers:
+            old = w.ring
+            gone = old.removed_files() if old is not None else []
+            if not gone:
+                continue
+            self.ring_files_removed += 1
+            try:
+                new = old.renewed()
+            except LockHeld as e:
+                raise RuntimeError(f"worker {w.worker}'s ring files were removed ({', '.join(gone)}) and another "
+                                   f"target server has since taken ring.name {self.cfg.ring.name!r}: {e}. Stopping: "
+                                   f"one server per ring.name") from None
+            w.ring = new
+            old.retire()
+            w.retired.append(old)
+            reason = (f"worker {w.worker}'s ring files were removed ({', '.join(gone)}): made anew as {new.path}; "
+                      f"batches in the old slots are computed again")
+            log.error("%s (%d time(s) so far)", reason, self.ring_files_removed)
+            self._apply(self.core.on_ring_renewed(w.worker, reason))
 
     # ---- control -------------------------------------------------------------------------------
     def _on_control(self, peer: bytes, msg: Control) -> None:
@@ -351,6 +441,7 @@ class TargetServer:
                     self.core.on_quarantined(stream, seq, reason)
                 if now - last_scan >= svc.rescan_s or self._wake_pull in events:
                     last_scan = now
+                    self._check_ring_files()
                     for w in self.workers:
                         if w.ring is not None:
                             w.ring.heartbeat()

@@ -33,7 +33,7 @@ from common.checksum import META_KEY, as_meta, payload_checksums, tensor_checksu
 from common.config import ConfigError
 from common.metrics import StageTimes
 from common.liveness import RoleLock
-from common.ring import ProducerRing, slot_bytes
+from common.ring import ProducerRing, RingReplaced, slot_bytes
 
 from .delivery import Dispatcher, Work
 
@@ -94,6 +94,9 @@ class TargetWorker(threading.Thread):
         self.stages = stages
         self.runner = None
         self.ring: ProducerRing | None = None
+        # rings replaced while this worker may still write into them (their files were removed):
+        # closed by the thread that writes slots, at its next slot
+        self.retired: list[ProducerRing] = []
         self.role = role
         self.state = "loading"
         self.error: BaseException | None = None
@@ -264,19 +267,31 @@ class TargetWorker(threading.Thread):
                     if self._audit(work, hidden, arrays):
                         self._publish(slot, work, arrays, tensor_checksum(hidden).tolist())
                         published = True
+            except RingReplaced:
+                self._dropped(work)
             finally:
                 self._settle(work, t, published)
 
     def _acquire(self):
         """A slot context, waiting through a full ring; None when the worker is stopping."""
+        self._close_retired()
         while not self._halt.is_set():
             cm = self.ring.acquire(timeout=0.5)
             try:
                 slot = cm.__enter__()
-            except TimeoutError:
-                continue
+            except (TimeoutError, RingReplaced):
+                continue   # full, or replaced meanwhile: `self.ring` is the new one
             return _Entered(cm, slot)
         return None
+
+    def _close_retired(self) -> None:
+        while self.retired:
+            self.retired.pop().close(unlink=False)   # its file is gone; another user may own its name now
+
+    def _dropped(self, work: Work) -> None:
+        what = f"held-out batch {work.seq}" if work.heldout else f"batch seq {work.seq}"
+        log.warning("worker %d: %s not published: its ring was replaced meanwhile; it is computed again",
+                    self.worker, what)
 
     def _serve_cuda(self) -> None:
         device = self.runner.device
@@ -358,6 +373,8 @@ class TargetWorker(threading.Thread):
                             copied.synchronize()
                         self._publish(slot, work, arrays, checksum.tolist())
                         published = True
+            except RingReplaced:
+                self._dropped(work)
             except BaseException as e:
                 log.exception("publisher of worker %d failed", self.worker)
                 self.error = e
@@ -369,6 +386,7 @@ class TargetWorker(threading.Thread):
             self._settle(work, t, published)
 
     def close(self) -> None:
+        self._close_retired()
         if self.ring is not None:
             self.ring.close(unlink=True)
             self.ring = None

@@ -14,10 +14,13 @@ import pytest
 import zmq
 import zmq.auth
 
-from common.channel import (ChannelError, CurveKeys, DealerChannel, RequestTimeout, RouterChannel, is_loopback,
-                            make_curve_keys, request)
+from common.channel import (DRAIN_BYTES, RCV_HWM, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
+                            RouterChannel, check_ipc_server, is_loopback, make_curve_keys, request)
+from common.config import Config
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
+from stranger import UID as STRANGER
+from stranger import Stranger, as_stranger, need_root
 
 HELLO = Hello(rid=1, job="job-1", secret="ab" * 16, rank=0, world=1, pid=os.getpid(), start_time=1,
               have=SeqSet([0, 1]), epochs=1, credit=2, heldout=False)
@@ -260,20 +263,23 @@ def test_request_needs_a_rid() -> None:
                 timeout_s=0.1)
 
 
-def test_oversized_frames_are_counted_and_never_sent(sock_dir: str) -> None:
+def test_oversized_frames_are_never_sent_and_never_buffered(sock_dir: str) -> None:
     router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2000)
     dealer = DealerChannel(router.endpoint, max_bytes=2000)
+    other = DealerChannel(router.endpoint, max_bytes=2000)
     big = Reply.success(1, {"blob": "x" * 3000})
     try:
         assert not dealer.send(big)  # refused at the sender: the server would drop it
         assert dealer.dropped_sends["too_large"] == 1
-        dealer.socket.send(big.encode())  # a peer that ignores the limit anyway
-        dealer.send(Ping(rid=4, t=0.0))
+        # a peer that ignores the limit anyway: libzmq drops its connection before buffering the frame
+        dealer.socket.send(big.encode())
+        other.send(Ping(rid=4, t=0.0))
         got = _poll_until(router)
-        assert [m for _, m in got] == [Ping(rid=4, t=0.0)]
-        assert router.bad_messages == {"too_large": 1}
+        assert [m for _, m in got] == [Ping(rid=4, t=0.0)], "the server goes on serving its other peers"
+        assert not router.bad_messages, "the frame was never taken, so never decoded"
         assert not router.send(got[0][0], big) and router.dropped_sends["too_large"] == 1
     finally:
+        other.close()
         dealer.close()
         router.close()
 
@@ -378,3 +384,153 @@ def test_dfpipe_keys_writes_private_certificates_and_never_overwrites(sock_dir: 
         assert key and zmq.auth.load_certificate(secret.removesuffix("_secret"))[0] == public
     with pytest.raises(ChannelError, match="not overwriting"):
         make_curve_keys(folder)
+
+
+# -- another user on the host ---------------------------------------------------------------------
+def test_default_endpoints_live_in_a_private_per_user_folder_made_0700(monkeypatch: pytest.MonkeyPatch,
+                                                                       sock_dir: str) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", sock_dir)        # a login's runtime folder: ours, 0700
+    svc = Config().service
+    assert (svc.target_endpoint, svc.trainer_endpoint) == (f"ipc://{sock_dir}/dfpipe/target.sock",
+                                                           f"ipc://{sock_dir}/dfpipe/trainer.sock")
+    router = RouterChannel(svc.target_endpoint)
+    try:
+        assert stat.S_IMODE(os.stat(os.path.join(sock_dir, "dfpipe")).st_mode) == 0o700
+    finally:
+        router.close()
+    os.chmod(sock_dir, 0o755)                                # others may enter it: not private
+    assert Config().service.target_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/target.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert Config().service.trainer_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/trainer.sock"
+
+
+def test_an_endpoint_folder_or_socket_another_user_controls_is_refused_naming_them(sock_dir: str) -> None:
+    need_root()
+    theirs = os.path.join(sock_dir, "theirs")
+    os.mkdir(theirs, 0o755)
+    os.chown(theirs, STRANGER, STRANGER)
+    with pytest.raises(ChannelError, match=r"the folder .*/theirs belongs to uid 65534 \(nobody\).*"
+                                           r"service.target_endpoint / service.trainer_endpoint"):
+        RouterChannel(f"ipc://{theirs}/s.sock")
+    RouterChannel(f"ipc://{theirs}/s.sock", allowed_uids=[STRANGER]).close()   # a user the config trusts
+    os.chmod(theirs, 0o777)
+    with pytest.raises(ChannelError, match="writable by other users"):
+        RouterChannel(f"ipc://{theirs}/s.sock", allowed_uids=[STRANGER])
+    shared = os.path.join(sock_dir, "shared")                # ours and sticky, like /tmp: names stay their owners'
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    RouterChannel(f"ipc://{shared}/s.sock").close()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # another user's socket file at the path
+    stale.bind(os.path.join(shared, "t.sock"))
+    stale.close()
+    os.chown(os.path.join(shared, "t.sock"), STRANGER, STRANGER)
+    with pytest.raises(ChannelError, match=r"t.sock belongs to uid 65534 \(nobody\)"):
+        RouterChannel(f"ipc://{shared}/t.sock")
+
+
+def _bind_and_answer(stopping: Callable[[], bool], endpoint: str) -> dict:
+    """As the stranger: bind a ROUTER and answer every frame with a Pong."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    frames = 0
+    while not stopping():
+        if sock.poll(50):
+            peer, _ = sock.recv_multipart()
+            frames += 1
+            sock.send_multipart([peer, Pong(rid=4, t=0.0).encode()])
+    sock.close()
+    ctx.term()
+    return {"frames": frames}
+
+
+def test_a_client_asks_the_kernel_who_bound_an_endpoint_and_takes_nothing_from_a_stranger(sock_dir: str) -> None:
+    need_root()
+    os.chmod(sock_dir, 0o1777)
+    endpoint = f"ipc://{sock_dir}/s.sock"
+    assert check_ipc_server(endpoint) is False, "nobody listens yet"
+    with Stranger(_bind_and_answer, endpoint) as stranger:
+        _wait_for_file(os.path.join(sock_dir, "s.sock"))
+        with pytest.raises(ChannelError, match=r"is bound by uid 65534 \(nobody\) \(pid \d+\)"):
+            check_ipc_server(endpoint)
+        assert check_ipc_server(endpoint, allowed_uids=[STRANGER]) is True
+        careful = DealerChannel(endpoint, allowed_uids=())   # a trainer's feed: only its own user and root
+        trusting = DealerChannel(endpoint)                     # `dfpipe ctl`: whoever the endpoint is
+        try:
+            assert careful.send(Ping(rid=4, t=0.0)) and trusting.send(Ping(rid=4, t=0.0))
+            assert trusting.recv(5.0) == Pong(rid=4, t=0.0)
+            assert careful.recv(1.0) is None
+            assert careful.bad_messages == {"foreign_uid": 1}
+        finally:
+            careful.close()
+            trusting.close()
+        assert stranger.stop()["frames"] == 2
+    with pytest.raises(ChannelError, match=r"s.sock belongs to uid 65534"):   # its file stays (libzmq leaves it)
+        RouterChannel(endpoint)
+    os.unlink(os.path.join(sock_dir, "s.sock"))
+    router = RouterChannel(endpoint)
+    try:
+        assert check_ipc_server(endpoint) is True
+    finally:
+        router.close()
+
+
+def _send_frames(endpoint: str, frames: list[bytes]) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    for frame in frames:
+        sock.send(frame)
+    sock.close(linger=2000)
+    ctx.term()
+
+
+def test_messages_of_another_user_are_dropped_counted_and_logged(sock_dir: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    need_root()
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    os.chmod(sock_dir, 0o711)                                # a mistaken permission lets the stranger reach it
+    os.chmod(os.path.join(sock_dir, "s.sock"), 0o666)
+    dealer = DealerChannel(router.endpoint)
+    try:
+        as_stranger(_send_frames, router.endpoint, [Control(rid=1, cmd="shutdown", args={}).encode(), HELLO.encode()])
+        dealer.send(Ping(rid=7, t=0.0))
+        got = _poll_until(router)
+        time.sleep(0.2)
+        got += router.poll(0.2)
+        assert [m for _, m in got] == [Ping(rid=7, t=0.0)]
+        assert router.bad_messages == {"foreign_uid": 2}
+        assert "sent by uid 65534 (nobody), pid" in caplog.text
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_receiving_is_bounded_in_bytes_before_anything_is_decoded(sock_dir: str) -> None:
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2 << 20)
+    dealer = DealerChannel(router.endpoint, max_bytes=2 << 20)
+    try:
+        for sock in (router.socket, dealer.socket):
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 2 << 20, "a larger frame is never buffered"
+            assert sock.getsockopt(zmq.RCVHWM) == RCV_HWM
+        sent = DRAIN_BYTES // (1 << 20) + 4
+        for _ in range(sent):
+            dealer.socket.send(bytes(1 << 20))
+        time.sleep(0.5)                                      # as many as the server's queue takes arrive
+        taken = len(router._drain(1.0))
+        assert taken == DRAIN_BYTES // (1 << 20), "one poll holds at most DRAIN_BYTES of frames"
+        deadline = time.monotonic() + 5
+        while taken < sent and time.monotonic() < deadline:   # the rest waited in the queues: none lost
+            taken += len(router._drain(0.1))
+        assert taken == sent
+    finally:
+        dealer.close()
+        router.close()
+
+
+def _wait_for_file(path: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)

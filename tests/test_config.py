@@ -119,3 +119,10 @@ def test_curve_keys_come_in_pairs_and_resolve_against_the_config(tmp_path: Path)
     assert CurveKeys.from_config(cfg) == CurveKeys(str(tmp_path / "k/server.key_secret"),
                                                    str(tmp_path / "k/client.key_secret"))
     assert CurveKeys.from_config(load_config(None)) is None
+
+
+def test_allowed_uids_are_user_ids_and_name_their_key_when_not() -> None:
+    assert load_config(None, ["service.allowed_uids=[1001]"]).service.allowed_uids == [1001]
+    for bad in ("[-1]", "[true]", "1001"):
+        with pytest.raises(ConfigError, match="service.allowed_uids"):
+            load_config(None, [f"service.allowed_uids={bad}"])

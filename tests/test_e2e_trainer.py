@@ -253,8 +253,8 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
 
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path, ring_name: str) -> None:
     out = tmp_path / "demo-run"
-    sockets = tmp_path / "s"   # not the demo's /tmp/dfpipe-demo: another user's run may own that folder (0700)
-    # nor its ring: another demo on this host holds ring dfpipe-demo (the demo would say so and stop)
+    sockets = tmp_path / "s"   # not the default private folder: another run of this user's may be using it
+    # nor the demo's ring: another demo on this host holds ring dfpipe-demo (the demo would say so and stop)
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
                           "--set", f"ring.name={ring_name}",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",

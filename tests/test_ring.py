@@ -23,7 +23,10 @@ from common.liveness import LockHeld, RoleLock, _read_stat, pid_alive, process_s
 from common.ring import (
     SLOT_ALIGN, ConsumerRing, ProducerRing, RingError, RingSpaceError, SlotState, StaleSlot, ring_path, slot_bytes,
 )
+from common.trust import Untrusted
 from ring_procs import Child, payload_crc
+from stranger import UID as STRANGER
+from stranger import need_root
 
 MiB = 1 << 20
 
@@ -617,3 +620,83 @@ def test_a_starter_waiting_on_a_lock_whose_file_gets_unlinked_locks_the_live_fil
     with pytest.raises(Exception):
         third.acquire(timeout=0.1)  # the second holds the inode the path names now
     second.release(unlink=True)
+
+
+# -- names another user made first, files removed from under a live ring ----------------------------
+def test_a_lock_file_another_user_made_first_is_refused_naming_the_owner(shm_dir: str, ring_name: str) -> None:
+    need_root()
+    lock = os.path.join(shm_dir, f"{ring_name}.w0.producer.lock")
+    with open(lock, "w"):
+        pass
+    os.chown(lock, STRANGER, STRANGER)
+    with pytest.raises(Untrusted, match=rf"{lock} belongs to uid 65534"):
+        ProducerRing.take_role(shm_dir, ring_name, 0)
+    os.unlink(lock)
+    os.symlink("/etc/passwd", lock)   # a link: never opened for writing
+    with pytest.raises(Untrusted, match="symbolic link"):
+        ProducerRing.take_role(shm_dir, ring_name, 0)
+
+
+def test_a_ring_like_file_of_another_user_is_neither_removed_nor_counted_as_a_predecessor(
+        shm_dir: str, ring_name: str) -> None:
+    need_root()
+    theirs = os.path.join(shm_dir, f"{ring_name}.w0.{10 ** 19 + 7}")
+    with open(theirs, "wb") as f:
+        f.write(b"not a ring")
+    os.chown(theirs, STRANGER, STRANGER)
+    ring = ProducerRing.create(shm_dir, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
+    try:
+        assert os.path.exists(theirs) and ring.producer_epoch < 10 ** 19
+    finally:
+        ring.close()
+        os.unlink(theirs)
+
+
+def test_a_shared_memory_folder_other_users_may_replace_names_in_is_refused(shm_dir: str, ring_name: str) -> None:
+    os.chmod(shm_dir, 0o777)    # world-writable, not sticky: anyone could swap our files
+    with pytest.raises(Untrusted, match="writable by other users"):
+        ProducerRing.take_role(shm_dir, ring_name, 0)
+    os.chmod(shm_dir, 0o1777)   # sticky, like /dev/shm itself: only a name's owner may remove it
+    ProducerRing.take_role(shm_dir, ring_name, 0).release(unlink=True)
+
+
+def test_a_consumer_maps_only_a_ring_of_a_trusted_user(ring: ProducerRing) -> None:
+    need_root()
+    os.chown(ring.path, STRANGER, STRANGER)
+    with pytest.raises(RingError, match="belongs to uid 65534"):
+        ConsumerRing.attach(ring.path, cuda_register="off")
+    ConsumerRing.attach(ring.path, cuda_register="off", trusted=frozenset({0, STRANGER})).close()
+
+
+@pytest.mark.parametrize("remove", ["ring and lock", "ring only", "lock only"])
+def test_removed_files_are_noticed_and_the_renewed_ring_keeps_the_role(shm_dir: str, ring_name: str,
+                                                                      remove: str) -> None:
+    old = ProducerRing.create(shm_dir, ring_name, 0, slot_count=2, slot_size=MiB, cuda_register="off")
+    lock = os.path.join(shm_dir, f"{ring_name}.w0.producer.lock")
+    writing = old.acquire(timeout=1)
+    slot = writing.__enter__()                            # a worker in the middle of a batch
+    slot.tensor("data", torch.uint8, (4,)).fill_(1)
+    assert old.removed_files() == []
+    gone = {"ring and lock": [old.path, lock], "ring only": [old.path], "lock only": [lock]}[remove]
+    for path in gone:
+        os.unlink(path)
+    assert old.removed_files() == gone
+    new = old.renewed()
+    try:
+        old.retire()
+        assert new.producer_epoch > old.producer_epoch and os.path.exists(new.path) and os.path.exists(lock)
+        assert not os.path.exists(old.path), "an old file still there is swept with the renewal"
+        assert new.removed_files() == [] and states(new) == [SlotState.FREE] * 2
+        with pytest.raises(LockHeld):                     # still the one producer of that name
+            ProducerRing.take_role(shm_dir, ring_name, 0)
+        with pytest.raises(ring_mod.RingReplaced):        # the batch being written is dropped
+            slot.publish({"seq": 0})
+        writing.__exit__(None, None, None)
+        with pytest.raises(ring_mod.RingReplaced):
+            old.acquire(timeout=1).__enter__()
+        old.close(unlink=False)
+        assert os.path.exists(lock), "closing the retired ring leaves the role with the new one"
+        publish(new, b"abcd", seq=0)
+    finally:
+        new.close()
+    assert os.listdir(shm_dir) == []
