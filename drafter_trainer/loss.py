@@ -157,7 +157,8 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     backward=True runs the backward pass chunk by chunk, so only one chunk's activations exist at
     a time: each chunk's gradient reaches the drafter's weights and a detached slice of the
     context keys/values (the context the chunk sees); the slices' gradients are summed in fp32
-    and flow through the context side once. The same gradients as one backward over all blocks
+    and flow through the context side once, its keys and values computed again with a graph
+    (only fc's is kept through the chunks). The same gradients as one backward over all blocks
     (tests), with memory that grows with the chunk and its context slice, not with the number of
     anchors. The returned loss is then detached.
 
@@ -177,7 +178,20 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     norm = torch.where(norm > 0, norm, torch.ones_like(norm))
     backward = backward and torch.is_grad_enabled()
 
-    context_kv = model.context_kv(target_hidden, blocks.context_positions)
+    positions = blocks.context_positions
+    if backward:
+        # While the chunks run, the context side holds only fc's graph (its weight gradient needs
+        # fc's input: views of the captured planes with split_fc, else their concatenation);
+        # hidden_norm and the layers' context keys and values run without one, and once more with
+        # one for the context side's backward. That forward again costs 2*T*H*2*kv_dim per layer,
+        # under 2% of a long-document step, and frees what autograd would hold for them through
+        # every chunk: the norms' fp32 intermediates and RoPE's inputs, ~150 KB a context token at
+        # the 27B shape (5 GB for a 32K-token batch).
+        projected = model.fc_project(target_hidden)
+        with torch.no_grad():
+            context_kv = model.context_kv_of(projected.detach(), positions)
+    else:
+        context_kv = model.context_kv(target_hidden, positions)
     # With backward: per context key and value tensor, the fp32 sum of its gradient over the chunks
     # (bf16 partial sums over many chunks would round where one backward over all blocks does not).
     # A chunk attends to a detached slice of the context side's tensors, so its backward stops at
@@ -207,6 +221,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
         count_per_pos.index_add_(0, position, torch.ones_like(position, dtype=torch.float32))   # bincount syncs
         del kv
     if grad_sums is not None:
+        context_kv = model.context_kv_of(projected, positions)     # the same values, now with a graph
         tensors = [t for pair in context_kv for t in pair]
         sums = [total for pair in grad_sums for total in pair]
         torch.autograd.backward(tensors, [total.to(t.dtype) for t, total in zip(tensors, sums)])

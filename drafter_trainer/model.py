@@ -614,7 +614,11 @@ class DFlashDraftModel(nn.Module):
         """Per layer, the context's keys and values: hidden_norm(fc(target_hidden)) through the
         layer's k_proj / k_norm / RoPE and v_proj. positions [T]: each context token's position in
         its document."""
-        context = self.project_context(target_hidden)
+        return self.context_kv_of(self.fc_project(target_hidden), positions)
+
+    def context_kv_of(self, projected: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`context_kv` from fc's output [T, H] on: hidden_norm, then each layer's keys and values."""
+        context = self.hidden_norm(projected)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
 

@@ -258,6 +258,39 @@ def test_step_activations_grow_with_the_chunk_not_with_the_anchor_count():
     assert peaks[16] < unchunked[16] / 4
 
 
+@pytest.mark.parametrize("split_fc", [False, True])
+def test_while_the_chunks_run_the_context_side_holds_only_fcs_input(split_fc, monkeypatch):
+    # the blocks all in a short first document, a second one of 300 or 900 tokens without anchors:
+    # what autograd holds when a chunk's forward is done, beyond the chunk itself, is the context
+    # side's. Per context token that is fc's input (the concatenated planes, fp32 on the CPU; with
+    # split_fc views of the planes, which are the batch's own), nothing of hidden_norm or of the
+    # layers' context keys and values.
+    from drafter_trainer import loss
+
+    model = make_model(tiny_config(num_hidden_layers=2), std=0.05, split_fc=split_fc)
+    held: dict[int, list[int]] = {}
+    chunk_ce = loss._chunk_ce
+
+    def recording(*args, **kwargs):
+        out = chunk_ce(*args, **kwargs)
+        held[long].append(meter.current)          # after the chunk's forward, before its backward
+        return out
+    monkeypatch.setattr(loss, "_chunk_ce", recording)
+    for long in (300, 900):
+        held[long] = []
+        mask = torch.zeros(40 + long, dtype=torch.uint8)
+        mask[:40] = 1
+        batch = make_batch([40, long], loss_mask=mask)
+        meter = SavedActivations([p for p in model.parameters()] + [batch.hidden])
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            dflash_loss(model, batch, _blocks(batch, 32), chunk=64, blocks_per_chunk=8, backward=True)
+        model.zero_grad(set_to_none=True)
+    assert len(held[300]) == len(held[900]) == 3
+    per_token = (held[900][0] - held[300][0]) / 600
+    fc_input = 0 if split_fc else len(model.config.target_layer_ids) * model.config.hidden_size * 4
+    assert fc_input <= per_token <= fc_input + 8, (per_token, fc_input)
+
+
 def test_a_short_last_chunk_joins_the_one_before_it():
     """Dynamo specialises a size of 1: a last chunk of a single 128-query flex tile would compile
     the layers again for every such batch, so it never stands alone (a single chunk may be short)."""
