@@ -41,9 +41,12 @@ GOALS: dict[str, list[tuple[str, str, float]]] = {
     "P5d": [("mfu", ">=", 0.60), ("peak_mem_gb", "<=", 60.0)],
     "P6d": [("together_over_ideal", ">=", 0.90)],
     "P7": [("projected_over_flop_limit", ">=", 0.65)],
+    # whole long documents (32K tokens, configs/gpu-long.yaml): the worker and the drafter step there
+    "P2L": [("worker_over_bare_forward", ">=", 0.98)],
+    "P5dL": [("mfu", ">=", 0.60), ("peak_mem_gb", "<=", 60.0)],
 }
 PART_OF = {"P1": "p1", "P2": "p23", "P3": "p23", "P4": "services", "P5": "p5", "P5d": "p5d", "P6d": "services",
-           "P7": "p7"}
+           "P7": "p7", "P2L": "long", "P5dL": "long"}
 
 
 def _clean(x: Any) -> Any:

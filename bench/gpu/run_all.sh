@@ -9,7 +9,9 @@
 # Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run, default 540),
 # PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service runs; default
 # /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part (env tests copycheck p1 p5 p5d
-# p23 services scale placements; BENCH_PARTS picks a subset). The table of results is printed last.
+# p23 services scale placements; BENCH_PARTS picks a subset, or adds `long`, the whole long documents of
+# configs/gpu-long.yaml, which the default run leaves out: BENCH_PARTS="env long"). The table of results
+# is printed last.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ARGS=("$@")
@@ -68,9 +70,9 @@ cleanup_children
 # name, upper limit (s), least time it needs (s): a slow part may not eat the later parts' minimum.
 read -ra PARTS <<< "${BENCH_PARTS:-env tests copycheck p1 p5 p5d p23 services p7 scale placements}"  # BENCH_PARTS: a subset, in order
 declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-180}
-                  [services]=300 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300})
+                  [services]=300 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300} [long]=${LONG_LIMIT:-180})
 declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=60 [p7]=5 [p23]=50 [services]=150 [scale]=60
-                 [placements]=100)
+                 [placements]=100 [long]=60)
 
 run_part() {
   local name=$1 i later=0 left t rc t0
