@@ -108,30 +108,51 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> tuple[int, str]:
         return _rss_bytes("VmHWM") - base, "VmHWM after clear_refs (RSS, approximate)"
 
 
+def visible_keys(blocks, window: int | None) -> int:
+    """The keys the mask rule (`blocks.AttentionLayout.visible`) lets the block queries of one layer
+    see, summed over the queries, counted without a mask: at long contexts a dense one is rows x
+    (context + rows) per chunk. A query at offset i of a block whose anchor is at position p of its
+    document sees that document's context positions [max(0, p + i - window + 1), p) and its own
+    block's B keys (j <= i and i - j < window in a sliding-window layer); a padding block only its
+    own block."""
+    b = blocks.block_size
+    offsets = torch.arange(b, device=blocks.block_positions.device)
+    anchor = torch.where(blocks.valid, blocks.block_positions[:, 0], 0)[:, None]        # [N, 1]
+    if window is None:
+        return int(anchor.sum()) * b + blocks.num_blocks * b * b
+    first = (anchor + offsets[None, :] - window + 1).clamp_min(0)
+    context = (anchor - first).clamp_min(0)
+    return int(context.sum()) + blocks.num_blocks * int(torch.minimum(offsets + 1, torch.tensor(window)).sum())
+
+
 def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
                blocks_per_chunk: int = 0) -> dict[str, float]:
-    """FLOPs of one training step by component (see the module docstring), the attention counted
-    chunk by chunk as the step runs it (each chunk's queries over its context slice and blocks)."""
+    """FLOPs of one training step by component (see the module docstring). The visible keys are
+    counted per layer (`visible_keys`); the keys a kernel computes chunk by chunk as the step runs
+    it (each chunk's queries over its context slice and blocks): flash's key runs are the visible
+    keys, the other paths' are counted on each chunk's layout."""
     from drafter_trainer.loss import auto_blocks_per_chunk
 
     t, k, h = batch.num_tokens, cfg.num_context_layers, cfg.hidden_size
     r, b = blocks.num_blocks * blocks.block_size, blocks.block_size
     q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     r_loss = int((blocks.weights > 0).sum())
-    visible = computed = 0
-    for part, _first, _end in blocks.chunks(blocks_per_chunk or auto_blocks_per_chunk(b)):
+    n = cfg.num_hidden_layers
+    windows = [cfg.layer_window(i) for i in range(n)]
+    visible_by_layer = [visible_keys(blocks, w) for w in windows]
+    # under flash a sliding-window layer runs flex (compiled, as the GPU benchmarks run)
+    impls = ["flex" if attn_impl == "flash" and w is not None else attn_impl for w in windows]
+    computed = sum(v for v, impl in zip(visible_by_layer, impls) if impl == "flash")
+    counted = [i for i, impl in enumerate(impls) if impl != "flash"]
+    for part, _first, _end in (blocks.chunks(blocks_per_chunk or auto_blocks_per_chunk(b)) if counted else []):
         layout = AttentionLayout.from_blocks(part)
         rows = part.num_blocks * b
-        for i in range(cfg.num_hidden_layers):
-            dense = layout.dense_mask(cfg.layer_window(i))
-            visible += int(dense.sum())
-            # under flash a sliding-window layer runs flex (compiled, as the GPU benchmarks run)
-            impl = "flex" if attn_impl == "flash" and cfg.layer_window(i) is not None else attn_impl
-            if impl == "split":
-                computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.segments)
-            elif impl == "flash":      # its key runs are exactly the visible keys
-                computed += int(dense.sum())
-            elif impl == "flex":
+        for i in counted:
+            if impls[i] == "split":
+                computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.window_segments(windows[i]))
+                continue
+            dense = layout.dense_mask(windows[i])
+            if impls[i] == "flex":
                 tile = 128                  # flex computes every 128x128 tile holding a visible key
                 rq, rk = -(-rows // tile) * tile, -(-dense.shape[1] // tile) * tile
                 padded = torch.zeros(rq, rk, dtype=torch.bool, device=dense.device)
@@ -140,13 +161,12 @@ def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
             else:
                 computed += rows * dense.shape[1]
             del dense
-    n = cfg.num_hidden_layers
     out = {
         "fc": 2 * 2.0 * t * k * h * h,
         "ctx_kv": 3 * 2.0 * t * h * 2 * kv_dim * n,
         "block_proj": 3 * 2.0 * r * h * (2 * q_dim + 2 * kv_dim) * n,
         "mlp": 3 * 2.0 * r * 3 * h * cfg.intermediate_size * n,
-        "attn_visible": 3 * 4.0 * q_dim * visible,
+        "attn_visible": 3 * 4.0 * q_dim * sum(visible_by_layer),
         "lm_head": 2 * 2.0 * r_loss * h * cfg.vocab_size,
     }
     out["model_total"] = sum(out.values())

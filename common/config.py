@@ -264,7 +264,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.data.max_len >= 2, "data.max_len: at least 2 tokens")
     need(cfg.data.max_len <= cfg.data.token_budget,
          f"data.max_len ({cfg.data.max_len}) must not exceed data.token_budget ({cfg.data.token_budget}): "
-         "a document never spans two batches")
+         f"a document is trained whole, in one batch. Raise data.token_budget to at least {cfg.data.max_len}, "
+         "or lower data.max_len (longer documents are then cut or skipped by data.overlong)")
     need(cfg.data.overlong in ("truncate", "split", "skip"), "data.overlong: truncate | split | skip")
     need(cfg.data.format in ("auto", "openai", "sharegpt"), "data.format: auto | openai | sharegpt")
     need(cfg.target.num_capture_layers >= 1, "target.num_capture_layers: at least 1")

@@ -17,6 +17,14 @@ are merged by their log-sum-exps, and the backward runs each part's kernel again
 output and log-sum-exp (exactly the gradient of the whole softmax) and sums the copies' key
 gradients back in fp32.
 
+The copies grow with the document, not with the chunk: in a long document with few anchors a
+segment spans thousands of tokens and each of its blocks copies the run from the segment's first
+anchor to its own in part B (at 32K tokens and 512 anchors, about 2,000 keys per block: 1.5M
+copied keys for a chunk of 768 blocks, 3 GB per gathered K or V at the 27B shape). So a part runs
+as several kernel calls, each over consecutive sequences gathering at most `MAX_CALL_KEYS` keys
+(one call whenever the part fits, as it always does for chat-length documents): what a call
+copies is freed before the next one gathers.
+
 Queries come folded (`fold_queries`): the g query heads that share a key head are rows of that
 key head, so a block is B * g rows of h_kv heads. All of them see the same keys, and the kernels'
 query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
@@ -47,11 +55,16 @@ import torch
 from drafter_trainer.blocks import BlockBatch, segment_firsts
 
 
+# Keys one varlen call gathers at most (K and V copies of 512 MB each at 4 key heads x 256, bf16).
+MAX_CALL_KEYS = 1 << 18
+
+
 @dataclass
 class VarlenPart:
-    """One varlen attention call: query rows cut at `cu_q`, keys gathered by `key_index` and cut
-    at `cu_k` (int32 boundaries, as the kernels take them). `rows`: queries whose sequence has a
-    key, None when all have (a query without keys takes no part in this part's softmax)."""
+    """One varlen attention call over the query rows [q0, q1) of the folded queries: its rows cut
+    at `cu_q`, keys gathered by `key_index` and cut at `cu_k` (int32 boundaries from the call's own
+    first row and key, as the kernels take them). `rows`: its queries whose sequence has a key,
+    None when all have (a query without keys takes no part in this part's softmax)."""
 
     key_index: torch.Tensor
     cu_q: torch.Tensor
@@ -59,6 +72,8 @@ class VarlenPart:
     max_q: int
     max_k: int
     rows: torch.Tensor | None
+    q0: int = 0
+    q1: int = 0
 
 
 def group_major(t: torch.Tensor, kv_heads: int, groups: int, dim: int) -> torch.Tensor:
@@ -84,12 +99,13 @@ def unfold_queries(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class FlashPlan:
-    """The two parts of one chunk's attention. A plain object: opaque to torch.compile (a
-    compiled layer hands it to the eager attention without guarding on what is inside)."""
+    """The two parts of one chunk's attention, each the kernel calls that cover all its query rows
+    in order. A plain object: opaque to torch.compile (a compiled layer hands it to the eager
+    attention without guarding on what is inside)."""
 
     __slots__ = ("parts",)
 
-    def __init__(self, parts: list[VarlenPart]) -> None:
+    def __init__(self, parts: list[list[VarlenPart]]) -> None:
         self.parts = parts
 
 
@@ -105,13 +121,16 @@ def _boundaries(lengths: np.ndarray) -> np.ndarray:
 
 
 def flash_plan(anchors: Sequence[int], docs: Sequence[int], doc_starts: Sequence[int], num_context: int,
-               block_size: int, segment_blocks: int, groups: int, device: torch.device) -> FlashPlan:
+               block_size: int, segment_blocks: int, groups: int, device: torch.device,
+               max_call_keys: int | None = None) -> FlashPlan:
     """The plan of one chunk from host values: per block its anchor (index into the chunk's
     context), its document (-1: padding) and its document's first context index; `groups` query
-    heads per key head (a block's folded rows: groups * block_size).
+    heads per key head (a block's folded rows: groups * block_size); a part's calls gather at most
+    `max_call_keys` (None: MAX_CALL_KEYS) keys each (a single sequence with more is a call of its own).
 
     Blocks are in anchor order (build_blocks), so a segment's first anchor is its least and
     the part-B ranges are never negative. Padding blocks see only their own block."""
+    max_call_keys = MAX_CALL_KEYS if max_call_keys is None else max_call_keys
     anchors = np.asarray(anchors, dtype=np.int64)
     docs = np.asarray(docs, dtype=np.int64)
     starts = np.asarray(doc_starts, dtype=np.int64)
@@ -123,28 +142,47 @@ def flash_plan(anchors: Sequence[int], docs: Sequence[int], doc_starts: Sequence
     first_anchor = np.where(valid[seg_first], anchors[seg_first], 0)
 
     a_len = np.where(valid[seg_first], first_anchor - starts[seg_first], 0)
-    part_a = _part(concat_ranges(starts[seg_first], a_len), seg_blocks * b * groups, a_len, device)
+    part_a = _part(concat_ranges(starts[seg_first], a_len), seg_blocks * b * groups, a_len, device, max_call_keys)
 
     stair = np.where(valid, anchors - first_anchor[seg_of_block], 0)
     own = num_context + np.arange(n, dtype=np.int64) * b
     # per block: [first anchor of its segment, its anchor) then its own B keys
     key_starts = np.stack([first_anchor[seg_of_block], own], axis=1).reshape(-1)
     key_lens = np.stack([stair, np.full(n, b)], axis=1).reshape(-1)
-    part_b = _part(concat_ranges(key_starts, key_lens), np.full(n, b * groups), stair + b, device)
-    return FlashPlan([p for p in (part_a, part_b) if p is not None])
+    part_b = _part(concat_ranges(key_starts, key_lens), np.full(n, b * groups), stair + b, device, max_call_keys)
+    return FlashPlan([p for p in (part_a, part_b) if p])
 
 
-def _part(key_index: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, device: torch.device) -> VarlenPart | None:
+def call_bounds(k_lens: np.ndarray, max_call_keys: int) -> list[tuple[int, int]]:
+    """[first, end) sequences of each call: consecutive sequences, at most `max_call_keys` keys
+    together (a longer sequence alone)."""
+    bounds, first, keys = [], 0, 0
+    for i, n in enumerate(k_lens.tolist()):
+        if i > first and keys + n > max_call_keys:
+            bounds.append((first, i))
+            first, keys = i, 0
+        keys += n
+    return [*bounds, (first, len(k_lens))]
+
+
+def _part(key_index: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, device: torch.device,
+          max_call_keys: int) -> list[VarlenPart]:
     if not len(key_index):
-        return None
+        return []
     pinned = device.type == "cuda"
 
     def up(a: np.ndarray) -> torch.Tensor:   # pinned, asynchronous: no wait for the device per chunk
         t = torch.from_numpy(a)
         return (t.pin_memory() if pinned else t).to(device, non_blocking=True)
-    rows = up(np.repeat(k_lens > 0, q_lens)) if (k_lens == 0).any() else None
-    return VarlenPart(key_index=up(key_index), cu_q=up(_boundaries(q_lens)), cu_k=up(_boundaries(k_lens)),
-                      max_q=int(q_lens.max()), max_k=int(k_lens.max()), rows=rows)
+    cu_q, cu_k = _boundaries(q_lens).astype(np.int64), _boundaries(k_lens).astype(np.int64)
+    calls = []
+    for s0, s1 in call_bounds(k_lens, max_call_keys):
+        ql, kl = q_lens[s0:s1], k_lens[s0:s1]
+        rows = up(np.repeat(kl > 0, ql)) if (kl == 0).any() else None
+        calls.append(VarlenPart(key_index=up(key_index[cu_k[s0]:cu_k[s1]]), cu_q=up(_boundaries(ql)),
+                                cu_k=up(_boundaries(kl)), max_q=int(ql.max()), max_k=int(kl.max()), rows=rows,
+                                q0=int(cu_q[s0]), q1=int(cu_q[s1])))
+    return calls
 
 
 # -- kernels ------------------------------------------------------------------------------------
@@ -200,17 +238,36 @@ def _reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return dq, dk, dv
 
 
+def _part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[VarlenPart], scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """One part's output [R, h_kv, d] and log-sum-exp [h_kv, R] over all query rows, call by call."""
+    fwd = _flash_forward if q.is_cuda else _reference_forward
+    out = lse = None
+    if len(calls) > 1:
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    rngs = []
+    for c in calls:
+        o, lse_c, rng = fwd(q[c.q0:c.q1], k.index_select(0, c.key_index), v.index_select(0, c.key_index), c, scale)
+        if c.rows is not None:       # queries without a key here: no share of this part
+            lse_c = lse_c.masked_fill(~c.rows, float("-inf"))
+            o = o.masked_fill(~c.rows[:, None, None], 0)
+        rngs.append(rng)
+        if out is None:
+            out, lse = o, lse_c
+        else:
+            out[c.q0:c.q1] = o
+            lse[:, c.q0:c.q1] = lse_c
+    return out, lse, rngs
+
+
 class _BlockFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan, scale: float
                 ) -> torch.Tensor:
-        fwd = _flash_forward if q.is_cuda else _reference_forward
         outs, lses, rngs = [], [], []
-        for p in plan.parts:
-            o, lse, rng = fwd(q, k.index_select(0, p.key_index), v.index_select(0, p.key_index), p, scale)
-            if p.rows is not None:       # queries without a key here: no share of this part
-                lse = lse.masked_fill(~p.rows, float("-inf"))
-                o = o.masked_fill(~p.rows[:, None, None], 0)
+        for calls in plan.parts:
+            o, lse, rng = _part_forward(q, k, v, calls, scale)
             outs.append(o)
             lses.append(lse)
             rngs.append(rng)
@@ -235,14 +292,24 @@ class _BlockFlash(torch.autograd.Function):
         # a context key has a copy per segment and per block that sees it: fp32 sums of the copies
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for p, rng in zip(ctx.plan.parts, ctx.rngs):
-            dq_p, dk_p, dv_p = bwd(dout, q, k.index_select(0, p.key_index), v.index_select(0, p.key_index), out,
-                                   lse, p, ctx.scale, rng)
-            if p.rows is not None:
-                dq_p = dq_p.masked_fill(~p.rows[:, None, None], 0)
-            dq = dq_p if dq is None else dq + dq_p
-            dk.index_add_(0, p.key_index, dk_p.float())
-            dv.index_add_(0, p.key_index, dv_p.float())
+        for calls, rngs in zip(ctx.plan.parts, ctx.rngs):
+            dq_part = None
+            for c, rng in zip(calls, rngs):
+                rows = slice(c.q0, c.q1)
+                dq_c, dk_c, dv_c = bwd(dout[rows], q[rows], k.index_select(0, c.key_index),
+                                       v.index_select(0, c.key_index), out[rows], lse[:, rows].contiguous(), c,
+                                       ctx.scale, rng)
+                if c.rows is not None:
+                    dq_c = dq_c.masked_fill(~c.rows[:, None, None], 0)
+                if len(calls) == 1:
+                    dq_part = dq_c
+                else:
+                    if dq_part is None:
+                        dq_part = dq_c.new_empty(q.shape)
+                    dq_part[rows] = dq_c
+                dk.index_add_(0, c.key_index, dk_c.float())
+                dv.index_add_(0, c.key_index, dv_c.float())
+            dq = dq_part if dq is None else dq + dq_part
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -253,8 +320,9 @@ def block_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pla
     return _BlockFlash.apply(q, k, v, plan, q.shape[-1] ** -0.5)
 
 
-def plan_of_blocks(blocks: BlockBatch, segment_blocks: int, groups: int) -> FlashPlan:
+def plan_of_blocks(blocks: BlockBatch, segment_blocks: int, groups: int,
+                   max_call_keys: int | None = None) -> FlashPlan:
     """The plan of a BlockBatch (from the host values its chunking read, or one read of them)."""
     anchors, docs, starts = blocks.host_index()
     return flash_plan(anchors, docs, starts, blocks.num_context, blocks.block_size, segment_blocks, groups,
-                      blocks.anchors.device)
+                      blocks.anchors.device, max_call_keys)

@@ -267,7 +267,9 @@ class AttentionLayout:
     context keys [document start, last anchor of the run): every context key any of its queries
     may see, and few others. The split path scores a segment's queries against those keys plus
     each query's own B block keys only; keys outside are provably invisible, so skipping them
-    changes nothing but the cost (blocks in anchor order make the segments tight).
+    changes nothing but the cost (blocks in anchor order make the segments tight). In a
+    sliding-window layer the range starts at most window - 1 keys before the run's first anchor
+    (`window_segments`): in a long document the keys before that are invisible too.
     """
 
     block_size: int
@@ -286,6 +288,17 @@ class AttentionLayout:
         """(first query, end query, first ctx key, end ctx key) per segment: host integers, so
         reading the anchors waits for the device; only the split path asks for them."""
         return _segments(self.blocks, max(1, self.segment_rows // self.block_size))
+
+    def window_segments(self, sliding_window: int | None) -> list[tuple[int, int, int, int]]:
+        """`segments` with each context range cut to what a window lets the run's queries see: a
+        query at offset i of the block anchored at a sees context keys from a + i - window + 1 on,
+        so no query of the run sees one before (its first anchor) - window + 1."""
+        if sliding_window is None:
+            return self.segments
+        anchors = self.blocks.host_index()[0]
+        b = self.block_size
+        return [(q0, q1, min(k1, max(k0, int(anchors[q0 // b]) - sliding_window + 1)), k1)
+                for q0, q1, k0, k1 in self.segments]
 
     @classmethod
     def from_blocks(cls, blocks: BlockBatch, segment_rows: int = 256) -> "AttentionLayout":
@@ -339,10 +352,11 @@ class AttentionLayout:
         return self.visible(q, kv, sliding_window)
 
     def split_masks(self, sliding_window: int | None) -> list[torch.Tensor]:
-        """Per segment: [rows, ctx keys + B] bool over its context keys, then each query's own block."""
+        """Per segment of `window_segments`: [rows, ctx keys + B] bool over its context keys, then
+        each query's own block."""
         device = self.query_pos.device
         masks = []
-        for q0, q1, k0, k1 in self.segments:
+        for q0, q1, k0, k1 in self.window_segments(sliding_window):
             q = torch.arange(q0, q1, device=device)[:, None]
             own_keys = self.num_context + self.query_block[q0:q1, None] * self.block_size \
                 + torch.arange(self.block_size, device=device)[None, :]

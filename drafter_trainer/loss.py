@@ -161,10 +161,12 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     (`BlockBatch.chunks`). backward=False returns a differentiable loss (every chunk's graph is
     kept: the reference, and held-out eval under no_grad where no graph is kept at all).
     backward=True runs the backward pass chunk by chunk, so only one chunk's activations exist at
-    a time: each chunk's gradient reaches the drafter's weights and a detached fp32 copy of the
-    context keys/values, whose summed gradient then flows through the context side once. The same
-    gradients as one backward over all blocks (tests), with memory that grows with the chunk,
-    not with the number of anchors. The returned loss is then detached.
+    a time: each chunk's gradient reaches the drafter's weights and a detached slice of the
+    context keys/values (the context the chunk sees); the slices' gradients are summed in fp32
+    and flow through the context side once, its keys and values computed again with a graph
+    (only fc's is kept through the chunks). The same gradients as one backward over all blocks
+    (tests), with memory that grows with the chunk and its context slice, not with the number of
+    anchors. The returned loss is then detached.
 
     chunk: rows per lm_head chunk (see `_ChunkedLinearCrossEntropy`).
     weight_norm: the denominator to use instead of this batch's weight_sum, so that every rank's
@@ -182,35 +184,53 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     norm = torch.where(norm > 0, norm, torch.ones_like(norm))
     backward = backward and torch.is_grad_enabled()
 
-    context_kv = model.context_kv(target_hidden, blocks.context_positions)
-    # With backward: leaves the chunks' backward passes sum their gradients into, in fp32 (bf16
-    # partial sums over many chunks would round where one backward over all blocks does not).
-    leaves = [tuple(t.detach().float().requires_grad_() for t in kv) for kv in context_kv] if backward else None
+    positions = blocks.context_positions
+    if backward:
+        # While the chunks run, the context side holds only fc's graph (its weight gradient needs
+        # fc's input: views of the captured planes with split_fc, else their concatenation);
+        # hidden_norm and the layers' context keys and values run without one, and once more with
+        # one for the context side's backward. That forward again costs 2*T*H*2*kv_dim per layer,
+        # under 2% of a long-document step, and frees what autograd would hold for them through
+        # every chunk: the norms' fp32 intermediates and RoPE's inputs, ~150 KB a context token at
+        # the 27B shape (5 GB for a 32K-token batch).
+        projected = model.fc_project(target_hidden)
+        with torch.no_grad():
+            context_kv = model.context_kv_of(projected.detach(), positions)
+    else:
+        context_kv = model.context_kv(target_hidden, positions)
+    # With backward: per context key and value tensor, the fp32 sum of its gradient over the chunks
+    # (bf16 partial sums over many chunks would round where one backward over all blocks does not).
+    # A chunk attends to a detached slice of the context side's tensors, so its backward stops at
+    # that slice: nothing of a chunk's backward is as long as the batch, however long its documents.
+    grad_sums = [tuple(torch.zeros(t.shape, dtype=torch.float32, device=device) for t in kv)
+                 for kv in context_kv] if backward else None
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
     chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
     for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
-        # in the context side's own dtype (bf16 under autocast): the layers see what they see
-        # unchunked, and the casts' backward hands fp32 gradients to the leaves
-        kv = [(k[first:end].to(ck.dtype), v[first:end].to(cv.dtype))
-              for (k, v), (ck, cv) in zip(leaves or context_kv, context_kv)]
+        kv = [tuple(t[first:end].detach().requires_grad_() if backward else t[first:end] for t in pair)
+              for pair in context_kv]
         rows = chunk_rows[i]
         part_ce, correct = _chunk_ce(model, part, kv, rows, chunk)
         if backward:
             (part_ce / norm).backward()
             part_ce = part_ce.detach()
+            for pair, sums in zip(kv, grad_sums):
+                for t, total in zip(pair, sums):
+                    if t.grad is not None:
+                        total[first:end] += t.grad
         ce_sum = ce_sum + part_ce
         position = rows % b
         correct_per_pos.index_add_(0, position, correct.to(torch.float32))
         count_per_pos.index_add_(0, position, torch.ones_like(position, dtype=torch.float32))   # bincount syncs
         del kv
-    if leaves is not None:
-        pairs = [(t, leaf.grad) for kv, kv_leaves in zip(context_kv, leaves)
-                 for t, leaf in zip(kv, kv_leaves) if leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+    if grad_sums is not None:
+        context_kv = model.context_kv_of(projected, positions)     # the same values, now with a graph
+        tensors = [t for pair in context_kv for t in pair]
+        sums = [total for pair in grad_sums for total in pair]
+        torch.autograd.backward(tensors, [total.to(t.dtype) for t, total in zip(tensors, sums)])
     return LossOutput(loss=ce_sum / norm, ce_sum=ce_sum.detach(), weight_sum=weight_sum.detach(),
                       correct_per_pos=correct_per_pos, count_per_pos=count_per_pos,
                       num_anchors=int(blocks.valid.sum()))

@@ -258,7 +258,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 class SplitMask:
-    """The split path's mask: AttentionLayout.segments and the split_masks of one window.
+    """The split path's mask: AttentionLayout.window_segments and the split_masks of one window.
 
     A plain object, opaque to torch.compile: a compiled layer hands it to the eager split
     attention without looking inside, so it neither guards on nor recompiles for the number of
@@ -662,7 +662,11 @@ class DFlashDraftModel(nn.Module):
         """Per layer, the context's keys and values: hidden_norm(fc(target_hidden)) through the
         layer's k_proj / k_norm / RoPE and v_proj. positions [T]: each context token's position in
         its document."""
-        context = self.project_context(target_hidden)
+        return self.context_kv_of(self.fc_project(target_hidden), positions)
+
+    def context_kv_of(self, projected: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`context_kv` from fc's output [T, H] on: hidden_norm, then each layer's keys and values."""
+        context = self.hidden_norm(projected)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
 
@@ -689,7 +693,7 @@ class DFlashDraftModel(nn.Module):
                                      "fp16 compute (train.compute_dtype), not fp32")
         sliding = sliding_attention_path(device.type, self.compiled)
         impls = {w: sliding if impl == "flash" and w is not None else impl for w in windows}
-        make_mask = {"split": lambda w: SplitMask(layout.segments, layout.split_masks(w)),
+        make_mask = {"split": lambda w: SplitMask(layout.window_segments(w), layout.split_masks(w)),
                      "sdpa": layout.dense_mask, "flex": layout.flex_mask,
                      "flash": lambda w: plan_of_blocks(blocks, max(1, segment_rows // cfg.block_size),
                                                        cfg.num_attention_heads // cfg.num_key_value_heads)}

@@ -115,7 +115,9 @@ class Packer:
         longest = int(lengths.argmax())
         if int(lengths[longest]) > token_budget:
             raise ValueError(f"document {longest} has {int(lengths[longest])} tokens > token_budget {token_budget}: "
-                             "prepare the data with max_len <= token_budget")
+                             f"a document is trained whole, in one batch. Prepare the data again with "
+                             f"data.max_len <= {token_budget} (data.overlong cuts or skips longer ones), or raise "
+                             f"data.token_budget to at least {int(lengths[longest])}")
         self.lengths = lengths.astype(np.int64)
         self.token_budget = int(token_budget)
         self.seed = int(seed)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_trainer.block_flash import (block_flash_attention, flash_plan, fold_queries, group_major,
-                                         plan_of_blocks, unfold_queries)
+from drafter_trainer.block_flash import (MAX_CALL_KEYS, block_flash_attention, call_bounds, flash_plan,
+                                         fold_queries, group_major, plan_of_blocks, unfold_queries)
 from drafter_trainer.blocks import AttentionLayout, build_blocks
 from drafter_trainer.model import split_attention
 from test_drafter_model import MASK, make_batch
@@ -21,7 +21,8 @@ def test_plan_cuts_each_blocks_visible_keys_into_a_segment_run_and_a_block_run()
     # one query head per key head (no folding) here: a block is its 2 rows
     plan = flash_plan([0, 2, 3, 6, 7, 9, 12], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 6, 6, 6, 6], 16, 2, 2, 1,
                       torch.device("cpu"))
-    a, b = plan.parts
+    (a,), (b,) = plan.parts      # each part one kernel call: few keys
+    assert (a.q0, a.q1, b.q0, b.q1) == (0, 14, 0, 14)
     # part A, per segment: its document's start to the segment's first anchor (empty for two)
     assert a.key_index.tolist() == [0, 1, 2, 6, 7, 8]
     assert a.cu_q.tolist() == [0, 4, 6, 10, 14] and a.cu_k.tolist() == [0, 0, 3, 3, 6]
@@ -34,9 +35,10 @@ def test_plan_cuts_each_blocks_visible_keys_into_a_segment_run_and_a_block_run()
     # three query heads per key head: the same keys, three times the rows per sequence
     folded = flash_plan([0, 2, 3, 6, 7, 9, 12], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 6, 6, 6, 6], 16, 2, 2, 3,
                         torch.device("cpu"))
-    assert folded.parts[0].cu_q.tolist() == [0, 12, 18, 30, 42]
-    assert folded.parts[1].cu_q.tolist() == list(range(0, 48, 6))
-    assert torch.equal(folded.parts[1].key_index, b.key_index) and folded.parts[0].rows.sum() == 3 * a.rows.sum()
+    (fa,), (fb,) = folded.parts
+    assert fa.cu_q.tolist() == [0, 12, 18, 30, 42]
+    assert fb.cu_q.tolist() == list(range(0, 48, 6))
+    assert torch.equal(fb.key_index, b.key_index) and fa.rows.sum() == 3 * a.rows.sum()
     # together, block 6 (anchor 12 in the document starting at 6) sees context 6..11 and itself
     runs = [a.key_index[a.cu_k[3]:a.cu_k[4]], b.key_index[b.cu_k[6]:b.cu_k[7]]]
     assert sorted(torch.cat(runs).tolist()) == [6, 7, 8, 9, 10, 11, 28, 29]
@@ -44,7 +46,7 @@ def test_plan_cuts_each_blocks_visible_keys_into_a_segment_run_and_a_block_run()
 
 def test_a_padding_block_sees_only_itself_and_a_plan_without_context_has_one_part():
     plan = flash_plan([0, 0], [-1, -1], [0, 0], 0, 4, 8, 1, torch.device("cpu"))
-    (only,) = plan.parts
+    ((only,),) = plan.parts
     assert only.key_index.tolist() == list(range(8)) and only.cu_k.tolist() == [0, 4, 8]
 
 
@@ -56,7 +58,8 @@ def test_the_plan_of_a_chunk_reads_the_host_values_its_chunking_read():
         fresh = type(chunk)(**{**chunk.__dict__, "host": None})
         got, want = plan_of_blocks(chunk, 2, 1), plan_of_blocks(fresh, 2, 1)   # the second reads the device
         for p, q in zip(got.parts, want.parts):
-            assert torch.equal(p.key_index, q.key_index) and torch.equal(p.cu_k, q.cu_k)
+            assert len(p) == len(q) == 1
+            assert torch.equal(p[0].key_index, q[0].key_index) and torch.equal(p[0].cu_k, q[0].cu_k)
 
 
 def test_folding_group_major_query_heads_into_rows_is_a_view():
@@ -125,14 +128,34 @@ def _split_reference(blocks, q, k, v, grad):
     return _with_grads(out, (q, k, v), grad)
 
 
-@pytest.mark.parametrize("segment_blocks", [1, 2, 3, 64])
-def test_flash_attention_equals_split_attention_with_gradients(segment_blocks):
+def test_a_part_runs_as_calls_of_consecutive_sequences_each_gathering_at_most_the_cap():
+    assert call_bounds(np.array([3, 2, 4, 9, 1, 0, 2]), 5) == [(0, 2), (2, 3), (3, 4), (4, 7)]   # 9 > 5 alone
+    assert call_bounds(np.array([3, 2]), MAX_CALL_KEYS) == [(0, 2)]
+    # the plan of the first test with calls of at most 4 keys: same keys, same rows, in pieces
+    args = ([0, 2, 3, 6, 7, 9, 12], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 6, 6, 6, 6], 16, 2, 2, 1, torch.device("cpu"))
+    whole, cut = flash_plan(*args), flash_plan(*args, max_call_keys=4)
+    for (part,), calls in zip(whole.parts, cut.parts):
+        assert len(calls) > 1 and calls[0].q0 == 0 and calls[-1].q1 == part.q1
+        assert all(a.q1 == b.q0 for a, b in zip(calls, calls[1:]))
+        assert torch.equal(torch.cat([c.key_index for c in calls]), part.key_index)
+        for c in calls:
+            keys, seqs = int(c.cu_k[-1]), len(c.cu_k) - 1
+            assert keys <= 4 or seqs == 1, (keys, seqs)
+            assert int(c.cu_q[-1]) == c.q1 - c.q0 and c.max_k == int(torch.diff(c.cu_k).max())
+
+
+@pytest.mark.parametrize("segment_blocks,max_call_keys", [(1, MAX_CALL_KEYS), (2, MAX_CALL_KEYS),
+                                                          (3, MAX_CALL_KEYS), (64, MAX_CALL_KEYS), (2, 7), (64, 7)])
+def test_flash_attention_equals_split_attention_with_gradients(segment_blocks, max_call_keys):
     # anchors at a document start (an empty segment run), adjacent ones, a block past its
-    # document's end, padding blocks; 4 query heads over 2 key heads
+    # document's end, padding blocks; 4 query heads over 2 key heads; with a cap of 7 keys each
+    # part runs as several calls (its longer sequences one each)
     _batch, blocks, q, k, v, grad = _attention_case([9, 14, 11], [0, 3, 5, 7, 9, 11, 12, 20, 23, 26, 31], 4, 4,
                                                     2, 8, pad_to=13)
     want = _split_reference(blocks, q, k, v, grad)
-    got = _with_grads(_flash(q, k, v, plan_of_blocks(blocks, segment_blocks, 2), 4), (q, k, v), grad)
+    plan = plan_of_blocks(blocks, segment_blocks, 2, max_call_keys)
+    assert max_call_keys == MAX_CALL_KEYS or any(len(calls) > 1 for calls in plan.parts)
+    got = _with_grads(_flash(q, k, v, plan, 4), (q, k, v), grad)
     for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
         # fp32; the longest sum: a key's gradient over the up to 44 query rows x 2 query heads seeing it
         assert_close(x, y, n=8 + 2 * 44 * 2, msg=name)

@@ -145,16 +145,17 @@ def test_attention_mask_is_the_design_rule(window):
     assert torch.equal(layout.dense_mask(window), _design_rule(_doc_of(DOCS), anchors, 4, window))
 
 
+@pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("segment_rows", [4, 12, 256])
-def test_split_segments_hold_every_visible_key(segment_rows):
+def test_split_segments_hold_every_visible_key(segment_rows, window):
     anchors = [0, 3, 5, 7, 9, 11, 12, 20, 23, 26, 31]
     blocks = build_blocks(make_batch(DOCS), torch.tensor(anchors), 4, MASK, 7.0, pad_to=13)
     layout = AttentionLayout.from_blocks(blocks, segment_rows=segment_rows)
-    dense = layout.dense_mask(None)
+    dense = layout.dense_mask(window)
     t = layout.num_context
     covered = torch.zeros_like(dense)
     seen_rows = 0
-    for (q0, q1, k0, k1), mask in zip(layout.segments, layout.split_masks(None)):
+    for (q0, q1, k0, k1), mask in zip(layout.window_segments(window), layout.split_masks(window)):
         assert q0 == seen_rows and (q1 - q0) <= max(4, segment_rows)
         seen_rows = q1
         covered[q0:q1, k0:k1] = mask[:, : k1 - k0]
@@ -163,3 +164,19 @@ def test_split_segments_hold_every_visible_key(segment_rows):
             covered[r, own:own + 4] = mask[r - q0, k1 - k0:]
     assert seen_rows == layout.num_queries
     assert torch.equal(covered, dense)
+
+
+def test_a_sliding_window_layer_scores_a_long_documents_context_only_within_reach():
+    # one 600-token document, 40 anchors spread over it; segments of 4 blocks: a full-attention
+    # layer's segment scores the document from its start, a sliding-window one only the window
+    # before its first anchor and the run of its anchors
+    window, b = 8, 4
+    anchors = list(range(10, 590, 15))[:40]
+    blocks = build_blocks(make_batch([600]), torch.tensor(anchors), b, MASK, 7.0)
+    layout = AttentionLayout.from_blocks(blocks, segment_rows=4 * b)
+    full = layout.window_segments(None)
+    assert max(k1 - k0 for _, _, k0, k1 in full) > 500
+    for (q0, q1, k0, k1), mask in zip(layout.window_segments(window), layout.split_masks(window)):
+        run = anchors[q0 // b:q1 // b]
+        assert k1 - k0 <= window - 1 + run[-1] - run[0]
+        assert mask.shape == (q1 - q0, k1 - k0 + b)

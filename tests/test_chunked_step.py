@@ -14,6 +14,8 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from drafter_trainer.blocks import BlockBatch, build_blocks, sample_anchors
 from drafter_trainer.loss import dflash_loss
@@ -79,6 +81,79 @@ def test_chunked_backward_gives_the_unchunked_loss_and_gradients(impl, per_chunk
         assert_close(p.grad, w, n=drafter_terms(cfg, sum(DOCS), rows, backward=True), msg=name)
     # the context side (fc, hidden_norm) got its gradient through the accumulated context keys
     assert model.fc.weight.grad.abs().max() > 0 and model.hidden_norm.weight.grad.abs().max() > 0
+
+
+# One long document (a thinking trace, at the test's scale): 1,200 tokens, its first 100 a prompt.
+LONG_DOC = 1200
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("impl", ["split", "sdpa", "flash"])
+def test_a_document_spanning_many_chunks_gives_the_unchunked_loss_and_gradients(impl, sliding, monkeypatch):
+    # 60 anchors over the document, 4 blocks a chunk (15 chunks, each seeing the document from its
+    # start to its last anchor), 2 blocks a segment (split and flash cut each chunk again), and
+    # flash's calls capped at 64 keys, so its parts run as several calls too
+    from drafter_trainer import block_flash
+
+    monkeypatch.setattr(block_flash, "MAX_CALL_KEYS", 64)
+    model = make_model(_cfg(sliding), std=0.05, attn_impl=impl)
+    model.segment_rows = 2 * model.config.block_size
+    mask = torch.ones(LONG_DOC, dtype=torch.uint8)
+    mask[:100] = 0
+    batch = make_batch([LONG_DOC, 30], loss_mask=torch.cat([mask, torch.ones(30, dtype=torch.uint8)]))
+    blocks = _blocks(batch, 60)
+    chunks = blocks.chunks(4)
+    assert blocks.num_blocks == 60 + 29 and len(chunks) > 10 and max(end - first for _, first, end in chunks) > 1000
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    want = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=10_000)
+    want_grads = torch.autograd.grad(want.loss, params)
+    got = dflash_loss(model, batch, blocks, chunk=7, blocks_per_chunk=4, backward=True)
+    rows = int((blocks.weights > 0).sum())
+    assert_close(got.loss, want.loss.detach(), n=drafter_terms(model.config, batch.num_tokens, rows))
+    assert torch.equal(got.correct_per_pos, want.correct_per_pos)
+    n = drafter_terms(model.config, batch.num_tokens, rows, backward=True)
+    for (name, p), w in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad), want_grads):
+        assert_close(p.grad, w, n=n, msg=name)
+
+
+class BatchLengthTensors(TorchDispatchMode):
+    """Counts the tensors every op (forward and backward) makes whose first dimension is the batch's
+    length; views do not count."""
+
+    VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens, self.count = tokens, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in self.VIEWS:
+            self.count += sum(1 for x in tree_flatten(out)[0]
+                              if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.tokens)
+        return out
+
+
+def test_a_chunks_backward_makes_nothing_as_long_as_the_batch():
+    # a long document without a single anchor, then a short one holding them all: every chunk sees
+    # only the short document, so what the step makes at the batch's length (the context side, its
+    # backward) must not grow with the number of chunks
+    model = make_model(tiny_config(num_hidden_layers=1), std=0.05)
+    docs = [997, 40]
+    mask = torch.zeros(sum(docs), dtype=torch.uint8)
+    mask[docs[0]:] = 1
+    batch = make_batch(docs, loss_mask=mask)
+    blocks = _blocks(batch, 32)
+    counts = {}
+    for per_chunk in (4, 8):
+        meter = BatchLengthTensors(batch.num_tokens)
+        with meter:
+            dflash_loss(model, batch, blocks, chunk=16, blocks_per_chunk=per_chunk, backward=True)
+        model.zero_grad(set_to_none=True)
+        counts[len(blocks.chunks(per_chunk))] = meter.count
+    assert len(counts) == 2 and len(set(counts.values())) == 1, f"batch-length tensors by chunk count: {counts}"
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -181,6 +256,39 @@ def test_step_activations_grow_with_the_chunk_not_with_the_anchor_count():
     assert unchunked[16] > 8 * unchunked[1]
     assert peaks[16] < 1.25 * peaks[1]
     assert peaks[16] < unchunked[16] / 4
+
+
+@pytest.mark.parametrize("split_fc", [False, True])
+def test_while_the_chunks_run_the_context_side_holds_only_fcs_input(split_fc, monkeypatch):
+    # the blocks all in a short first document, a second one of 300 or 900 tokens without anchors:
+    # what autograd holds when a chunk's forward is done, beyond the chunk itself, is the context
+    # side's. Per context token that is fc's input (the concatenated planes, fp32 on the CPU; with
+    # split_fc views of the planes, which are the batch's own), nothing of hidden_norm or of the
+    # layers' context keys and values.
+    from drafter_trainer import loss
+
+    model = make_model(tiny_config(num_hidden_layers=2), std=0.05, split_fc=split_fc)
+    held: dict[int, list[int]] = {}
+    chunk_ce = loss._chunk_ce
+
+    def recording(*args, **kwargs):
+        out = chunk_ce(*args, **kwargs)
+        held[long].append(meter.current)          # after the chunk's forward, before its backward
+        return out
+    monkeypatch.setattr(loss, "_chunk_ce", recording)
+    for long in (300, 900):
+        held[long] = []
+        mask = torch.zeros(40 + long, dtype=torch.uint8)
+        mask[:40] = 1
+        batch = make_batch([40, long], loss_mask=mask)
+        meter = SavedActivations([p for p in model.parameters()] + [batch.hidden])
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            dflash_loss(model, batch, _blocks(batch, 32), chunk=64, blocks_per_chunk=8, backward=True)
+        model.zero_grad(set_to_none=True)
+    assert len(held[300]) == len(held[900]) == 3
+    per_token = (held[900][0] - held[300][0]) / 600
+    fc_input = 0 if split_fc else len(model.config.target_layer_ids) * model.config.hidden_size * 4
+    assert fc_input <= per_token <= fc_input + 8, (per_token, fc_input)
 
 
 def test_a_short_last_chunk_joins_the_one_before_it():

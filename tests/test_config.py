@@ -7,6 +7,8 @@ import pytest
 
 from common.config import ConfigError, default_gamma, default_layer_ids, load_config
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
 
 def _write(tmp_path: Path, text: str) -> str:
     p = tmp_path / "c.yaml"
@@ -69,6 +71,27 @@ def test_a_sliding_window_narrower_than_a_block_is_refused_with_the_key_that_fix
         load_config(None, [*layers, "drafter.sliding_window=8"])
     assert load_config(None, [*layers, "drafter.sliding_window=16"]).drafter.sliding_window == 16
     assert load_config(None, [*layers, "drafter.sliding_window=4", "drafter.block_size=4"]).drafter.block_size == 4
+def test_a_document_longer_than_the_budget_is_refused_naming_both_keys_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"data.max_len \(32768\) must not exceed data.token_budget \(16384\): a "
+                                          r"document is trained whole.*Raise data.token_budget to at least 32768, or "
+                                          r"lower data.max_len .*data.overlong"):
+        load_config(None, ["data.token_budget=16384", "data.max_len=32768"])
+    # whole long documents: any length up to the budget (64K-token budgets and documents as well)
+    for budget, max_len in ((32768, 32768), (65536, 32768), (65536, 65536)):
+        cfg = load_config(None, [f"data.token_budget={budget}", f"data.max_len={max_len}"])
+        assert (cfg.data.token_budget, cfg.data.max_len) == (budget, max_len)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_loads(name: str) -> None:
+    cfg = load_config(str(CONFIGS / name))
+    assert cfg.data.max_len <= cfg.data.token_budget
+
+
+def test_the_long_document_config_trains_32k_token_documents_whole() -> None:
+    cfg = load_config(str(CONFIGS / "gpu-long.yaml"))
+    assert cfg.data.max_len == 32768 and cfg.data.token_budget >= cfg.data.max_len
+    assert cfg.drafter.max_anchors == 512      # anchors per document as for chat-length data
 
 
 def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:

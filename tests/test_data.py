@@ -11,6 +11,7 @@ import pytest
 
 from target_server import toy_corpus
 from target_server.data import DataError, PreparedDataset, ensure_prepared, main as prepare_main, prepare_data
+from target_server.packer import Packer
 from target_server.tokenizer import CHAT_TEMPLATE, IM_END, MASK_TOKEN, SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,6 +257,39 @@ def test_overlong_skip_reports_the_row_as_bad(tmp_path):
     assert report.kept == 1 and report.truncated == report.split == 0
     assert len(report.bad) == 1 and report.bad[0][0] == 1 and report.bad[0][1].startswith("longer than max_len")
     assert PreparedDataset.open(str(tmp_path / "p")).sample_ids.tolist() == [1]
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "split", "skip"])
+def test_a_trace_longer_than_the_budget_gets_the_overlong_choice_and_every_document_packs_whole(tmp_path, overlong):
+    # a long answer (a thinking trace, at the demo tokenizer's scale: thousands of tokens) against
+    # data.max_len = data.token_budget, the longest a config allows
+    budget = 1024
+    src = _write_lines(tmp_path / "rows.jsonl", [GOOD, _long_row(1200)])
+    report = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / "p"), max_len=budget, overlong=overlong)
+    ds = PreparedDataset.open(str(tmp_path / "p"))
+    assert ds.lengths.max() <= budget
+    batches = Packer(ds.lengths, budget, seed=0).epoch_batches(0)
+    assert sorted(d for b in batches for d in b) == list(range(len(ds)))
+    if overlong == "truncate":
+        assert report.truncated == 1 and ds.lengths.tolist()[1] == budget
+    elif overlong == "split":
+        assert report.split == 1 and (ds.sample_ids == 1).sum() >= 3
+    else:
+        assert report.kept == 1 and ds.sample_ids.tolist() == [0]
+        assert [line for line, _ in report.bad] == [2]
+        assert re.fullmatch(rf"longer than max_len: \d+ > {budget} tokens", report.bad[0][1])
+
+
+def test_a_prepared_folder_with_documents_longer_than_the_budget_is_refused_naming_the_fix(tmp_path):
+    src = _write_lines(tmp_path / "rows.jsonl", [GOOD, _long_row(1200)])
+    prepare_data(src, DEMO_TOKENIZER, str(tmp_path / "p"), max_len=8192)     # kept whole
+    ds = PreparedDataset.open(str(tmp_path / "p"))
+    longest = int(ds.lengths.max())
+    assert longest > 3 * 1024
+    with pytest.raises(ValueError, match=rf"document 1 has {longest} tokens > token_budget 1024: a document is "
+                                         rf"trained whole.*data.max_len <= 1024.*data.token_budget to at least {longest}"):
+        Packer(ds.lengths, 1024, seed=0)
+    assert Packer(ds.lengths, longest, seed=0).epoch_size(0) == 2     # the budget it asks for packs it
 
 
 def test_tokenizer_without_a_chat_template_is_a_clear_error(tmp_path):

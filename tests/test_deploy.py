@@ -74,7 +74,7 @@ def test_compose_file_is_valid_and_shares_shm_between_services() -> None:
     assert "torchrun" in trainer["entrypoint"]
 
 
-@pytest.mark.parametrize("shape", ["8gpu-3+5", "8gpu-5+3", "4gpu-1+3", "2gpu-1+1"])
+@pytest.mark.parametrize("shape", ["8gpu-3+5", "8gpu-5+3", "8gpu-6+2", "4gpu-1+3", "2gpu-1+1"])
 def test_each_compose_placement_gives_disjoint_gpus_one_rank_or_worker_each(shape: str) -> None:
     base = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert not any(_gpus(svc) for svc in base["services"].values()), \
@@ -92,13 +92,21 @@ def test_each_compose_placement_gives_disjoint_gpus_one_rank_or_worker_each(shap
     from common.config import load_config
     devices = load_config(None, overrides).target.devices
     assert devices == [f"cuda:{i}" for i in range(n_target)], "one worker per GPU the container sees"
+    # each service reads one config; the long-document shape mounts its own over the base file's
+    config = "gpu-long.yaml" if shape == "8gpu-6+2" else "gpu.yaml"
+    for svc in (target, trainer):
+        sources = [v["source"] if isinstance(v, dict) else v.split(":")[0] for v in svc["volumes"]
+                   if (v["target"] if isinstance(v, dict) else v.split(":")[1]) == "/etc/dfpipe/config.yaml"]
+        assert len(sources) == 1 and sources[0].endswith(f"configs/{config}"), sources
+    if config == "gpu-long.yaml":      # its workers are the shape's (gpu.yaml's are the default 3+5's)
+        assert load_config(str(REPO / "configs" / config)).target.devices == devices
 
 
 def test_systemd_placements_are_consistent() -> None:
     from common.config import load_config
 
     shapes = sorted((UNITS / "placements").iterdir())
-    assert {p.name for p in shapes} == {"8gpu-3+5", "8gpu-5+3", "4gpu-1+3", "2gpu-1+1"}
+    assert {p.name for p in shapes} == {"8gpu-3+5", "8gpu-5+3", "8gpu-6+2", "4gpu-1+3", "2gpu-1+1"}
     for shape in shapes:
         env = {}
         for f in ("target.env", "trainer.env"):

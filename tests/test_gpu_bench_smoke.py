@@ -15,18 +15,18 @@ import pytest
 from tolerances import tol
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("env", "p1", "p5", "p5d", "p23", "services", "p7", "scale", "placements")
+PARTS = ("env", "p1", "p5", "p5d", "p23", "services", "p7", "scale", "placements", "long")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
 
 def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     run_id = f"smoke{os.getpid()}"
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "BENCH_PARTS": " ".join(PARTS), "BENCH_BUDGET_S": "540",
+           "PYTHON": sys.executable, "BENCH_PARTS": " ".join(PARTS), "BENCH_BUDGET_S": "600",
            "OMP_NUM_THREADS": "1", "DFPIPE_BENCH_RUN_ID": run_id}
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=580)
+                         capture_output=True, text=True, timeout=660)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     logs = {p: (tmp_path / "out" / f"{p}.log").read_text(errors="replace")[-3000:]
             for p in PARTS if (tmp_path / "out" / f"{p}.log").exists()}
@@ -45,7 +45,11 @@ def test_every_benchmark_part_runs_at_quick_sizes(tmp_path: Path) -> None:
     assert all(v["first_tok_s"] > 0 and v["repeat_tok_s"] > 0 for k, v in first_pass.items() if k != "batches")
     p5d = figures["p5d"]
     assert p5d["anchors_per_batch"] > 0 and p5d["drafter_alone_tok_s"] > 0 and len(p5d["chunks"]) == 2
-    for key in ("P1", "P2", "P3", "P4", "P5", "P5d", "P6d", "P7"):
+    long = figures["long"]
+    assert long["target"]["long"]["tok_s"] > 0 and long["target"]["short"]["tok_s"] > 0
+    assert long["target"]["long"]["docs_per_batch"] == 1 and long["target"]["short"]["docs_per_batch"] > 1
+    assert long["split"]["best"]["target_gpus"] >= 1
+    for key in ("P1", "P2", "P3", "P4", "P5", "P5d", "P6d", "P7", "P2L", "P5dL"):
         bench = results["benchmarks"][key]
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dfpgb-{run_id}-")], "rings left in /dev/shm"

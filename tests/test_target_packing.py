@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (bind HF's kernels while conftest blocks FLA)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from common.batch import document_positions
@@ -24,6 +26,9 @@ from tolerances import assert_close, differs, rel_err, target_terms, tol, transf
 ARCHS = ("qwen3.5", "qwen3")
 # length 1, lengths below the conv kernel (4), and lengths across the delta rule's 64-token chunks
 DOC_LENS = [1, 2, 3, 5, 70, 17, 130]
+# a long document (a thinking trace, at the tiny target's scale: longer than the demo's whole
+# 2,048-token budget, 33 delta-rule chunks) between two short ones
+LONG_DOC_LENS = [5, 2100, 70]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -52,11 +57,13 @@ def _hf_layers(model: torch.nn.Module, ids: torch.Tensor, layer_ids: list[int], 
     return torch.stack([hs[layer + 1][0] for layer in layer_ids])
 
 
+@pytest.mark.parametrize("doc_lens", [DOC_LENS, LONG_DOC_LENS], ids=["short", "long"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_capture_equals_one_hf_forward_per_document(arch: str, hf_models: dict[str, torch.nn.Module],
+def test_packed_capture_equals_one_hf_forward_per_document(arch: str, doc_lens: list[int],
+                                                           hf_models: dict[str, torch.nn.Module],
                                                            runners: dict[str, TargetRunner]) -> None:
     runner = runners[arch]
-    docs, ids, pos, lens = _packed(DOC_LENS, seed=0)
+    docs, ids, pos, lens = _packed(doc_lens, seed=0)
     packed = runner.capture(ids, pos, lens)
     start = 0
     for doc in docs:
@@ -82,6 +89,35 @@ def test_a_fixed_linear_token_count_changes_no_captured_value(arch: str, runners
     # fp32: only the summation order of kernels sized by the longer row may differ
     assert_close(padded, plain, n=target_terms(runner, ids.numel() + 37))
     assert torch.equal(shorter, plain)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor (by elements) any op makes while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor) and x.numel() > self.numel:
+                self.numel, self.shape = x.numel(), tuple(x.shape)
+        return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_document_never_makes_a_token_by_token_tensor(arch: str, runners: dict[str, TargetRunner]) -> None:
+    # per document SDPA on the CPU is causal attention without a mask; the audit's unpacked forward
+    # (transformers' own) skips its causal mask too. A T x T score or mask tensor would make the
+    # capture's memory grow with the square of the document: at 64K tokens, 16 GB a head in fp32.
+    runner = runners[arch]
+    t = 1024          # every real tensor here is at most k x T x hidden (640 x T) elements
+    _, ids, pos, lens = _packed([t], seed=9)
+    for capture in (lambda: runner.capture(ids, pos, lens), lambda: runner.capture_unpacked(ids)):
+        with LargestTensor() as largest:
+            capture()
+        assert largest.numel < t * t, f"a {largest.shape} tensor for a {t}-token document"
 
 
 def test_padded_docs_add_one_document_and_refuse_too_few_tokens() -> None:

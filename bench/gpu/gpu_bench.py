@@ -16,6 +16,8 @@ Parts (in run_all.sh order):
     p23        target worker vs bare forward (P2), packed vs padded (P3)
     fp8        the target as a block-wise FP8 checkpoint vs bf16: tok/s, feature difference, its P2 (P8)
     services   real target-server + trainer processes: cold start, together, warm restart (P4, P6)
+    long       whole long documents: the target on 32K-token against 3K-token documents, P2 and
+               P5d at that length (P2L, P5dL), the host split their rates recommend
 
 run_all.sh records each part's exit code and prints the table with `python -m bench.gpu.results`.
 
@@ -74,6 +76,10 @@ FULL: dict[str, Any] = dict(
     p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
     p5d_precision="bf16",   # p5d: the headline's drafter.precision (the trainer's default)
     p5d_other_precision="",   # p5d (P5f): also step this precision on the same batches ("fp8": FP8 against bf16)
+    # long (issue 33): documents of long_doc tokens at a budget of long_budget (configs/gpu-long.yaml),
+    # against long_short_doc-token documents at the same budget; drafter chunks and fc as that config
+    long_budget=32768, long_doc=32768, long_short_doc=3072, long_batches=4, long_p2_batches=6, long_p2_repeats=2,
+    long_p5d_batches=2, long_p5d_steps=4, long_chunk=512, long_split_fc=1,
 )
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
@@ -83,6 +89,8 @@ QUICK: dict[str, Any] = dict(
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
     p5d_other_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
+    long_budget=512, long_doc=512, long_short_doc=128, long_batches=2, long_p2_batches=2, long_p2_repeats=1,
+    long_p5d_steps=2, long_chunk=16,
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_fp8_target.py",
               "tests/test_ring.py", "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
@@ -637,8 +645,7 @@ def part_p7(ctx: Ctx) -> str:
     target = target_proxy * proxy_layers / a.real_layers_computed
     target_gflop = target_flops_per_token(shape, a.real_layers_computed, a.median) / 1e9
     gpus = a.p7_gpus
-    rows = [{"target_gpus": n, "trainer_gpus": gpus - n, "tok_s": min(n * target, (gpus - n) * drafter),
-             "bound_by": "target" if n * target < (gpus - n) * drafter else "trainer"} for n in range(1, gpus)]
+    rows = host_splits(target, drafter, gpus)
     best = max(rows, key=lambda r: r["tok_s"])
     limit = gpus * peak * 1e12 / ((target_gflop + drafter_gflop) * 1e9)
     numbers = {"gpus": gpus, "target_full_depth_tok_s_per_gpu": target, "target_proxy_tok_s": target_proxy,
@@ -649,6 +656,13 @@ def part_p7(ctx: Ctx) -> str:
     ctx.store.benchmark("P7", {"projected_over_flop_limit": best["tok_s"] / limit}, numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "projected"
+
+
+def host_splits(target: float, drafter: float, gpus: int) -> list[dict[str, Any]]:
+    """Each split of `gpus` GPUs into n target and gpus - n trainer GPUs, at `target` and `drafter`
+    tok/s per GPU: what it delivers (the lesser side) and which side bounds it."""
+    return [{"target_gpus": n, "trainer_gpus": gpus - n, "tok_s": min(n * target, (gpus - n) * drafter),
+             "bound_by": "target" if n * target < (gpus - n) * drafter else "trainer"} for n in range(1, gpus)]
 
 
 def target_flops_per_token(shape: fixtures.TargetShape, layers: int, median_len: float) -> float:
@@ -668,14 +682,155 @@ def target_flops_per_token(shape: fixtures.TargetShape, layers: int, median_len:
     return 2.0 * weights + scores
 
 
+def part_long(ctx: Ctx) -> str:
+    """Whole long documents (issue 33), at one token budget (--long-budget): the target on documents
+    of --long-doc tokens against documents of --long-short-doc tokens (tok/s, the cost per token
+    and the FLOPs behind it); P2 on the long documents (the worker against the bare forward); P5d
+    on them (the drafter step at the published density, up to --anchors anchors per document, in
+    chunks of --long-chunk blocks; MFU by counted FLOPs, the attention over the long contexts
+    counted; peak memory); then the split of a host's GPUs these rates recommend, as P7 does for
+    chat-length data. The target goes first and is freed before the drafter is built."""
+    import gc
+
+    from bench.trainer_bench import step_flops
+    from common.batch import document_positions
+    from target_server.data import PreparedDataset
+    from target_server.packer import Packer
+
+    a = ctx.args
+    dev = ctx.device
+    manifest = fixtures.read_manifest(ctx.workdir)
+    shape = fixtures.shape_of(manifest)
+    budget, long_doc, short_doc = a.long_budget, a.long_doc, a.long_short_doc
+    if not short_doc <= long_doc <= budget:
+        raise ValueError(f"need --long-short-doc {short_doc} <= --long-doc {long_doc} <= --long-budget {budget}")
+    per_batch = budget // long_doc
+    batches = max(a.p2_warmup + a.long_p2_batches, a.long_p5d_batches)
+    data_dir = os.path.join(ctx.workdir, "long-data")      # random tokens: written anew in a moment
+    shutil.rmtree(data_dir, ignore_errors=True)
+    fixtures.write_dataset(data_dir, np.full(batches * per_batch, long_doc, dtype=np.int64), shape.vocab,
+                           shape.mask_token_id, a.seed)
+    long_manifest = {**manifest, "data_dir": data_dir, "token_budget": budget, "max_len": long_doc}
+    figures: dict[str, Any] = {"token_budget": budget, "long_doc": long_doc, "short_doc": short_doc}
+    failed: list[str] = []
+
+    # the target: the same budget filled with long or with short documents
+    runner = fixtures.load_runner(long_manifest, dev, a.allow_torch_linear)
+    t0 = time.perf_counter()
+    runner.warmup(budget)
+    figures["first_forward_s"] = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(a.seed)
+    top = min(runner.vocab_size, shape.mask_token_id)
+    proxy_layers = max(shape.capture_ids) + 1
+    target: dict[str, Any] = {}
+    for name, doc in (("long", long_doc), ("short", short_doc)):
+        q, r = divmod(budget, doc)
+        lens = torch.tensor([doc] * q + ([r] if r else []), dtype=torch.int32)
+        rows = [(torch.randint(0, top, (budget,), generator=g), document_positions(lens), lens)
+                for _ in range(1 + a.long_batches)]
+        runner.capture(*rows[0])          # untimed: a new document length may still tune a kernel
+        timer = fixtures.RegionTimer(dev).start()
+        for row in rows[1:]:
+            runner.capture(*row)
+        tok_s = a.long_batches * budget / timer.stop().seconds()
+        gflop = target_flops_per_token(shape, proxy_layers, doc) / 1e9
+        target[name] = {"doc_tokens": doc, "docs_per_batch": len(lens), "tok_s": tok_s, "us_per_token": 1e6 / tok_s,
+                        "gflop_per_token": gflop, "tflop_s": tok_s * gflop / 1e3}
+        print(f"target, {doc}-token documents: {tok_s:,.0f} tok/s, {gflop:.3g} GFLOP a token", flush=True)
+    target["long_over_short_tok_s"] = target["long"]["tok_s"] / target["short"]["tok_s"]
+    target["long_over_short_cost_per_token"] = 1.0 / target["long_over_short_tok_s"]
+    target["long_over_short_gflop_per_token"] = target["long"]["gflop_per_token"] / target["short"]["gflop_per_token"]
+    figures["target"] = target
+    ctx.store.figures("long", **figures)
+
+    # P2 at that length
+    numbers: dict[str, Any] = {"token_budget": budget, "doc_tokens": long_doc, "batches_timed": a.long_p2_batches,
+                               "repeats": a.long_p2_repeats, "audit_every": a.audit_every, "target": target}
+    try:
+        dataset = PreparedDataset.open(data_dir)
+        packer = Packer(dataset.lengths, budget, a.seed)
+        p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.long_p2_batches)), long_doc,
+                   a.p2_warmup, "p2long")
+        numbers.update(p2.turns(a.long_p2_repeats), tokens_timed=p2.tokens)
+        del p2
+        ratios = numbers["ratio_runs"]
+        ctx.store.benchmark("P2L", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
+        figures["target_worker_tok_s"] = numbers["worker_tok_s"]
+        print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, default=str), flush=True)
+    except Exception as e:
+        traceback.print_exc()
+        failed.append("P2L")
+        ctx.store.benchmark_error("P2L", f"{type(e).__name__}: {e}", numbers)
+    del runner
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+    # P5d on the long documents
+    from bench.gpu.drafter_rig import DrafterRig
+    from drafter_trainer.model import resolve_attention
+
+    peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
+    numbers = {"token_budget": budget, "doc_tokens": long_doc, "anchors_per_doc_max": a.anchors,
+               "blocks_per_chunk": a.long_chunk, "split_fc": bool(a.long_split_fc), "matmul_peak_tflops": peak}
+    try:
+        rig = DrafterRig(long_manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
+                         attn=a.drafter_attn or "auto", compile_mode="auto", blocks_per_chunk=a.long_chunk)
+        rig.model.split_fc = bool(a.long_split_fc)
+        rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
+        work = rig.dataset_work(list(range(a.long_p5d_batches)), lazy_hidden=True)
+        numbers.update(attn=rig.model.attn_impl, compiled=rig.model.compiled, batches=len(work),
+                       anchors_per_batch=float(np.mean([bl.num_blocks for _, bl in work])),
+                       docs_per_batch=float(np.mean([int(b.doc_lens.numel()) for b, _ in work])))
+        t0 = time.perf_counter()
+        times = rig.timed(work, max(a.p5_warmup, len(work)), a.long_p5d_steps)
+        if ctx.cuda:     # read before anything else allocates
+            numbers["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        steps = [work[i % len(work)] for i in range(len(times))]
+        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, a.long_chunk) for b, bl in steps]
+        total_s, tokens = sum(times), sum(b.num_tokens for b, _ in steps)
+        numbers.update(
+            step_s=float(np.median(times)), step_s_all=times, first_steps_s=time.perf_counter() - t0 - total_s,
+            tok_s=tokens / total_s, anchors_s=sum(bl.num_blocks for _, bl in steps) / total_s,
+            model_tflop_per_step=float(np.mean([f["model_total"] for f in flops])) / 1e12,
+            mfu=sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
+            executed_mfu=sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
+            gflop_per_token=sum(f["model_total"] for f in flops) / tokens / 1e9,
+            flops_share={k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
+                         for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")})
+        p5d = ctx.store.read()["parts"].get("p5d", {}).get("figures", {})
+        if p5d.get("drafter_gflop_per_token"):     # the chat-length figure of this run, beside it
+            numbers["p5d_gflop_per_token"] = p5d["drafter_gflop_per_token"]
+        ctx.store.benchmark("P5dL", {"mfu": numbers["mfu"], "peak_mem_gb": numbers.get("peak_mem_gb")}, numbers)
+        print(json.dumps({k: v for k, v in numbers.items() if k != "step_s_all"}, default=str), flush=True)
+        del rig, work
+    except Exception as e:
+        traceback.print_exc()
+        failed.append("P5dL")
+        ctx.store.benchmark_error("P5dL", f"{type(e).__name__}: {e}", numbers)
+
+    # the host split these rates recommend (P7's projection, for long documents)
+    drafter = numbers.get("tok_s")
+    if drafter and figures.get("target_worker_tok_s"):
+        per_gpu = figures["target_worker_tok_s"] * proxy_layers / a.real_layers_computed
+        rows = host_splits(per_gpu, drafter, a.p7_gpus)
+        figures["split"] = {"target_full_depth_tok_s_per_gpu": per_gpu, "drafter_tok_s_per_gpu": drafter,
+                            "depth_scale": f"{proxy_layers}/{a.real_layers_computed} layers",
+                            "best": max(rows, key=lambda r: r["tok_s"]), "splits": rows}
+        print("split", json.dumps(figures["split"]["best"]), flush=True)
+    ctx.store.figures("long", **figures)
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} failed (see the log)")
+    return "measured"
+
+
 class _Skip(Exception):
     """The rest of a measured block is left out on purpose (its figures are already recorded)."""
 
 
 def part_p23(ctx: Ctx) -> str:
-    from bench.gpu.worker_harness import run_worker, worker_config
     from target_server.data import PreparedDataset
-    from target_server.packer import Packer, build_packed
+    from target_server.packer import Packer
 
     a = ctx.args
     dev = ctx.device
@@ -702,39 +857,17 @@ def part_p23(ctx: Ctx) -> str:
     try:
         dataset = PreparedDataset.open(manifest["data_dir"])
         packer = Packer(dataset.lengths, budget, a.seed)
-        seqs = list(range(a.p2_warmup + a.p2_batches))
-        batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
-        tokens = sum(int(b[0].numel()) for b in batches[a.p2_warmup:])
-        numbers["tokens_timed"] = tokens
-
-        def bare_tok_s() -> float:
-            for b in batches[: a.p2_warmup]:
-                runner.capture(*b)
-            timer = fixtures.RegionTimer(dev).start()
-            for b in batches[a.p2_warmup:]:
-                runner.capture(*b)
-            return tokens / timer.stop().seconds()
-
-        def worker_tok_s(**kwargs: Any) -> Any:
-            cfg = worker_config(budget, max_len, ctx.ring_name("p2"), ctx.shm_dir, a.ring_slots,
-                                ctx.cuda_register(), a.audit_every)
-            return run_worker(runner, cfg, dataset, packer, seqs, **kwargs)
-
-        bare, worker = [], []
-        for _ in range(a.p2_repeats):
-            bare.append(bare_tok_s())
-            run = worker_tok_s()
-            worker.append(run.tokens_per_s(a.p2_warmup - 1))
-        ratios = [w / b for w, b in zip(worker, bare)]
-        numbers.update(bare_tok_s=sum(bare) / len(bare), worker_tok_s=sum(worker) / len(worker),
-                       bare_runs_tok_s=bare, worker_runs_tok_s=worker, ratio_runs=ratios,
-                       worker_stages=run.stages, quarantined=len(run.quarantined))
+        p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.p2_batches)), max_len, a.p2_warmup, "p2")
+        numbers["tokens_timed"] = p2.tokens
+        numbers.update(p2.turns(a.p2_repeats))
+        ratios = numbers["ratio_runs"]
         # P2 and the target-alone rate (P6d, P7) are recorded before the diagnostics, which a
         # part's timeout may cut short (--p2-diagnostics 0 leaves them out)
         ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
         ctx.store.benchmark("P2", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
         if not a.p2_diagnostics:
             raise _Skip()
+        bare_tok_s, worker_tok_s = p2.bare_tok_s, p2.worker_run
         # diagnostics, each against the bare rate above: the worker without its per-batch audit; a
         # consumer in this process that polls every millisecond (the harness before the seventh
         # session); and the input copies as they were before it (blocking: every batch first waited
@@ -752,7 +885,7 @@ def part_p23(ctx: Ctx) -> str:
                 poll_interval_s=0.001).tokens_per_s(a.p2_warmup - 1)
         # the baseline again, after the workers: how much the bare rate itself moves within a run
         numbers["bare_after_tok_s"] = bare_tok_s()
-        del batches
+        del p2
         ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
         ratio = sum(ratios) / len(ratios)
         print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
@@ -874,6 +1007,48 @@ def part_fp8(ctx: Ctx) -> str:
                         numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "measured"
+class P2Rig:
+    """P2's two rates over the same batches (seqs of `packer`): the bare `runner.capture` loop, and
+    the real TargetWorker serving them into a ring whose consumer acks at once (worker_harness).
+    The first `warmup` batches are untimed in both."""
+
+    def __init__(self, ctx: Ctx, runner: Any, dataset: Any, packer: Any, seqs: list[int], max_len: int,
+                 warmup: int, ring: str) -> None:
+        from target_server.packer import build_packed
+
+        self.ctx, self.runner, self.dataset, self.packer, self.seqs = ctx, runner, dataset, packer, seqs
+        self.max_len, self.warmup, self.ring = max_len, warmup, ring
+        self.batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
+        self.tokens = sum(int(b[0].numel()) for b in self.batches[warmup:])
+
+    def bare_tok_s(self) -> float:
+        for b in self.batches[: self.warmup]:
+            self.runner.capture(*b)
+        timer = fixtures.RegionTimer(self.ctx.device).start()
+        for b in self.batches[self.warmup:]:
+            self.runner.capture(*b)
+        return self.tokens / timer.stop().seconds()
+
+    def worker_run(self, **kwargs: Any) -> Any:
+        """One TargetWorker run over the seqs (run_worker's keyword arguments: a patch, a polling consumer)."""
+        from bench.gpu.worker_harness import run_worker, worker_config
+
+        a = self.ctx.args
+        cfg = worker_config(self.packer.token_budget, self.max_len, self.ctx.ring_name(self.ring), self.ctx.shm_dir,
+                            a.ring_slots, self.ctx.cuda_register(), a.audit_every)
+        return run_worker(self.runner, cfg, self.dataset, self.packer, self.seqs, **kwargs)
+
+    def turns(self, repeats: int) -> dict[str, Any]:
+        """`repeats` turns of the bare loop then the worker; the ratio is the mean of the turns' ratios."""
+        bare, worker = [], []
+        for _ in range(repeats):
+            bare.append(self.bare_tok_s())
+            run = self.worker_run()
+            worker.append(run.tokens_per_s(self.warmup - 1))
+        return {"bare_tok_s": sum(bare) / len(bare), "worker_tok_s": sum(worker) / len(worker),
+                "bare_runs_tok_s": bare, "worker_runs_tok_s": worker,
+                "ratio_runs": [w / b for w, b in zip(worker, bare)], "worker_stages": run.stages,
+                "quarantined": len(run.quarantined)}
 
 
 def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> None:
@@ -1304,7 +1479,7 @@ def _read_json(path: str) -> dict[str, Any]:
 PARTS: dict[str, Callable[[Ctx], str]] = {
     "env": part_env, "tests": part_tests, "copycheck": part_copycheck, "p1": part_p1, "p5": part_p5,
     "p5d": part_p5d, "p23": part_p23, "fp8": part_fp8, "services": part_services, "p7": part_p7, "scale": part_scale,
-    "placements": part_placements, "fp8lib": part_fp8lib,
+    "placements": part_placements, "fp8lib": part_fp8lib, "long": part_long,
 }
 NEEDS_CUDA_UNLESS_QUICK = set(PARTS) - {"env", "p7"}
 

@@ -46,9 +46,12 @@ GOALS: dict[str, list[tuple[str, str, float]]] = {
     # the target as its makers' block-wise FP8 checkpoint: not slower than bf16, and its worker as
     # close to its bare forward as P2 asks of the bf16 one
     "P8": [("fp8_over_bf16_tok_s", ">=", 1.0), ("fp8_worker_over_bare_forward", ">=", 0.98)],
+    # whole long documents (32K tokens, configs/gpu-long.yaml): the worker and the drafter step there
+    "P2L": [("worker_over_bare_forward", ">=", 0.98)],
+    "P5dL": [("mfu", ">=", 0.60), ("peak_mem_gb", "<=", 60.0)],
 }
 PART_OF = {"P1": "p1", "P2": "p23", "P3": "p23", "P4": "services", "P5": "p5", "P5d": "p5d", "P5f": "p5d", "P6d": "services",
-           "P7": "p7", "P8": "fp8"}
+           "P7": "p7", "P8": "fp8", "P2L": "long", "P5dL": "long"}
 
 
 def _clean(x: Any) -> Any:

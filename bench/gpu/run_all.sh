@@ -12,7 +12,7 @@
 # this run's p5d and p23), and P7 from those rates. --p5d-other-precision fp8 adds P5f (FP8
 # against bf16 on the same batches, and their gradients' cosine) to p5d.
 # Other parts (tests copycheck p1 p5 scale placements fp8lib fp8 long) run when BENCH_PARTS names
-# them (BENCH_PARTS="env fp8": the FP8 target, P8). Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
+# them: BENCH_PARTS="env fp8" the FP8 target (P8), "env long" whole 32K-token documents (P2L, P5dL). Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
 # default 570), PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service
 # runs; default /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part. The
 # table of results is printed last: anything not measured says so.
