@@ -174,9 +174,10 @@ class TargetRunner:
 
         layer_ids default to common.config.default_layer_ids(L, num_capture_layers); they must be
         strictly increasing and inside [0, L). linear_backend: auto | torch | fla (see varlen).
-        A block-wise FP8 checkpoint (target_server.fp8) runs FP8 matmuls where the device has them
-        and is dequantized at load elsewhere; fp8_matmul True / False forces one way (True raises
-        where FP8 matmuls cannot run).
+        A block-wise FP8 checkpoint (target_server.fp8) is dequantized at load: the FP8 model's
+        weights, in `dtype` matmuls. fp8_matmul=True runs its FP8 matmuls instead (Hopper and newer;
+        raises elsewhere): not the default while they run slower than bf16 on the H200 and outside
+        the server's audit tolerance (docs/benchmarks.md, run BB).
         """
         from transformers import AutoConfig, AutoModel
 
@@ -213,7 +214,7 @@ class TargetRunner:
         unavailable = fp8.fp8_matmul_unavailable(dev)
         if fp8_format is not None and fp8_matmul and unavailable:
             raise RuntimeError(f"FP8 matmuls cannot run on {dev}: {unavailable}")
-        use_fp8 = fp8_format is not None and (fp8_matmul if fp8_matmul is not None else unavailable is None)
+        use_fp8 = fp8_format is not None and bool(fp8_matmul)
         impl = varlen.register_packed_attention()
         with torch.device("meta"):
             model = AutoModel.from_config(trunc_cfg, attn_implementation=impl, dtype=torch_dtype)
@@ -222,7 +223,7 @@ class TargetRunner:
         if fp8_format is not None and not use_fp8:
             log.info("target %s: block-wise FP8 checkpoint, %d weights dequantized to %s at load (%s): the FP8 "
                      "model's weights, activations not quantized", path, quantized, torch_dtype,
-                     unavailable or "fp8_matmul=False")
+                     unavailable or "FP8 matmuls are opt-in")
         # Non-persistent buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild on device.
         with torch.device(dev):
             model.rotary_emb = type(model.rotary_emb)(config=model.config)

@@ -212,7 +212,14 @@ def _fp8_matmul_missing() -> str | None:
 fp8_cuda_only = pytest.mark.skipif(_fp8_matmul_missing() is not None, reason=str(_fp8_matmul_missing()))
 
 
+# On the H200 (docs/benchmarks.md, run BB) the kernel's activation scales differ from the definition's
+# in the last bit, and a document's FP8 planes alone against packed were 0.077 apart (audit: 0.05):
+# FP8 matmuls are opt-in until both hold. strict: a pass there says the mark must go.
+FP8_MATMUL_OPEN = pytest.mark.xfail(strict=True, reason="FP8 target matmuls on the H200: see docs/benchmarks.md, run BB")
+
+
 @fp8_cuda_only
+@FP8_MATMUL_OPEN
 def test_block_fp8_kernels_compute_their_definition_on_cuda() -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
     m, n, k = 300, 260, 300                            # partial blocks in every dimension
@@ -233,11 +240,12 @@ def test_block_fp8_kernels_compute_their_definition_on_cuda() -> None:
 
 
 @fp8_cuda_only
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=FP8_MATMUL_OPEN) if a == "qwen3.5" else a for a in ARCHS])
 def test_fp8_target_on_cuda_captures_its_dequantized_model_within_fp8_activation_rounding(
         arch: str, targets: dict[str, dict[str, str]]) -> None:
     path = targets[arch]["fp8"]
-    runner = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch")
+    runner = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch",
+                               fp8_matmul=True)
     dequantized = TargetRunner.load(path, device="cuda", dtype="bf16", layer_ids=LAYER_IDS, linear_backend="torch",
                                     fp8_matmul=False)
     assert runner.precision == "fp8-block" and dequantized.precision == "fp8-block-dequantized-bf16"
