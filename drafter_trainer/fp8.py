@@ -99,7 +99,7 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     On CUDA a tiled Triton kernel (`fp8_cols`): fused by inductor, the reduction across rows and
     the transposed write made one slow kernel. Elsewhere `quantize_rows` of the transpose."""
-    if x.is_cuda and fp8_cols.available():
+    if x.is_cuda and fp8_cols.AVAILABLE:
         return torch.ops.dfpipe.fp8_quantize_cols(x)
     return quantize_rows(x.t())
 

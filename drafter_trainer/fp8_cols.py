@@ -18,8 +18,6 @@ quantized by inductor's own fused kernels (a reduction along contiguous memory).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:        # Triton comes with CUDA builds of torch; CPU installs have none
@@ -32,9 +30,8 @@ E4M3 = torch.float8_e4m3fn
 BLOCK_R, BLOCK_C = 64, 64
 
 
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
+# Known at import: quantize_cols asks inside compiled layers, where dynamo would trace a cache wrapper.
+AVAILABLE = triton is not None and torch.cuda.is_available()
 
 
 if triton is not None:

@@ -267,7 +267,7 @@ def test_cuda_column_quantization_kernel_equals_quantizing_the_transpose() -> No
     NaN that reaches the matmul (its column's scale is NaN)."""
     from drafter_trainer import fp8_cols
 
-    assert fp8_cols.available()
+    assert fp8_cols.AVAILABLE
     torch.manual_seed(7)
     for r, c, dtype in ((12_288, 640, torch.bfloat16), (1000, 130, torch.bfloat16), (77, 5120, torch.float32)):
         x = (torch.randn(r, c, device="cuda") * torch.logspace(-2, 2, c, device="cuda")).to(dtype)

@@ -212,10 +212,10 @@ def _fp8_matmul_missing() -> str | None:
 fp8_cuda_only = pytest.mark.skipif(_fp8_matmul_missing() is not None, reason=str(_fp8_matmul_missing()))
 
 
-# On the H200 (docs/benchmarks.md, run BB) the kernel's activation scales differ from the definition's
+# On the H200 (docs/benchmarks.md, run BC) the kernel's activation scales differ from the definition's
 # in the last bit, and a document's FP8 planes alone against packed were 0.077 apart (audit: 0.05):
 # FP8 matmuls are opt-in until both hold. strict: a pass there says the mark must go.
-FP8_MATMUL_OPEN = pytest.mark.xfail(strict=True, reason="FP8 target matmuls on the H200: see docs/benchmarks.md, run BB")
+FP8_MATMUL_OPEN = pytest.mark.xfail(strict=True, reason="FP8 target matmuls on the H200: see docs/benchmarks.md, run BC")
 
 
 @fp8_cuda_only
