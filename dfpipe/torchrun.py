@@ -8,7 +8,12 @@ run the trainer through this instead; every other outcome is torchrun's own.
 """
 from __future__ import annotations
 
+import os
 import sys
+
+# Set by the compose files: end with 0 on a final status (Docker cannot be told which statuses not
+# to restart; systemd can: RestartPreventExitStatus).
+FINAL_AS_SUCCESS = "DFPIPE_FINAL_EXIT_AS_SUCCESS"
 
 
 def main(argv: list[str]) -> int:
@@ -27,6 +32,13 @@ def main(argv: list[str]) -> int:
         final = sorted({f.exitcode for f in e.failures.values()} & set(FINAL_EXITS))
         if not final:
             return 1
+        if os.environ.get(FINAL_AS_SUCCESS) == "1":
+            # Docker's on-failure restarts every non-zero status: a final one ends the container
+            # with 0 instead, this line and the rank's log saying why
+            print(f"dfpipe torchrun: a trainer rank exited with status {final[0]} (restarting would not help: its "
+                  f"log says why); ending with 0 so that the container is not restarted ({FINAL_AS_SUCCESS})",
+                  file=sys.stderr)
+            return 0
         print(f"dfpipe torchrun: a trainer rank exited with status {final[0]} (restarting would not help: "
               "its log says why); passing it on", file=sys.stderr)
         return final[0]

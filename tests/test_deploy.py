@@ -274,13 +274,26 @@ def test_the_trainer_unit_does_not_restart_a_status_a_restart_would_not_help() -
     assert sorted(map(int, prevented)) == sorted(FINAL_EXITS)
 
 
-@pytest.mark.parametrize(("rank_status", "launcher_status"), [(7, 7), (2, 2), (9, 1)])
-def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_status: int,
-                                                         launcher_status: int) -> None:
-    # torchrun alone exits 1 for any failed rank, so RestartPreventExitStatus would never match
+@pytest.mark.parametrize(("rank_status", "launcher_status", "under_compose"),
+                         [(7, 7, False), (2, 2, False), (9, 1, False), (7, 0, True), (9, 1, True)])
+def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_status: int, launcher_status: int,
+                                                         under_compose: bool) -> None:
+    # torchrun alone exits 1 for any failed rank, so RestartPreventExitStatus would never match;
+    # under compose (which restarts any non-zero status) a final status ends with 0, a crash with 1
     rank = tmp_path / "rank.py"
     rank.write_text(f"import sys\nsys.exit({rank_status})\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DFPIPE_FINAL_EXIT_AS_SUCCESS", None)
+    if under_compose:
+        env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_trainer_environment()["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
     done = subprocess.run([sys.executable, "-m", "dfpipe", "torchrun", "--standalone", "--nproc-per-node", "1",
-                           str(rank)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                           str(rank)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == launcher_status, done.stderr[-2000:]
+
+
+def compose_trainer_environment() -> dict[str, str]:
+    """The trainer service's environment as docker-compose.yml sets it."""
+    import yaml
+
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    return {k: str(v) for k, v in compose["services"]["trainer"]["environment"].items()}
