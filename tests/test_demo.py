@@ -18,7 +18,8 @@ import pytest
 
 from common.ring import ProducerRing
 from dfpipe.demo import _continue_or_clear
-from drafter_trainer.checkpoint import FINISHED, latest_checkpoint, read_meta, save_checkpoint
+from common.seqset import SeqSet
+from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
 from e2e import REPO, load, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -114,7 +115,9 @@ def test_a_demo_whose_ring_another_server_holds_says_so_at_the_console(tmp_path:
 
 
 def _checkpoint(out_dir: Path, step: int, reason: str) -> None:
-    save_checkpoint(str(out_dir), step, {"step": step}, {"step": step, "reason": reason, "have": []}, keep=5)
+    """A checkpoint as the trainer writes it (manifest included), holding nothing but its step."""
+    TrainerState(step=step, epoch=0, have=SeqSet(), trained_samples={}).save(str(out_dir), keep=5, reason=reason,
+                                                                              epoch_samples=0)
 
 
 @pytest.mark.parametrize("reason, fresh, continues", [
