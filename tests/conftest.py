@@ -97,13 +97,6 @@ def cxx_compiler() -> str:
         pytest.skip(why)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The end-to-end (slow) tests first, in their order: with two workers the longest jobs then
-    start at once and the short ones fill in behind them, instead of one long test starting last
-    and running alone (the same order on every worker, as xdist requires)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     e2e = sys.modules.get("e2e")   # imported only by the tests that start services
     if e2e is not None:
