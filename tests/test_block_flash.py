@@ -162,9 +162,11 @@ def test_flash_attention_equals_split_attention_with_gradients(segment_blocks, m
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_call_keys", [None, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_flash_kernels_equal_the_reference_the_cpu_runs(dtype):
-    # the 27B drafter's heads (24 over 4, size 256), blocks of 16, 120 anchors over 4 documents
+def test_cuda_flash_kernels_equal_the_reference_the_cpu_runs(dtype, max_call_keys):
+    # the 27B drafter's heads (24 over 4, size 256), blocks of 16, 120 anchors over 4 documents;
+    # with calls of at most 300 keys each part runs as several kernel calls
     anchors = sorted(np.random.default_rng(0).choice(np.arange(470), 120, replace=False).tolist())
     batch, blocks, q, k, v, grad = _attention_case([200, 37, 150, 90], anchors, 16, 24, 4, 256, seed=1)
     # the same half-precision values on both sides: only the kernels' own rounding differs
@@ -172,8 +174,9 @@ def test_cuda_flash_kernels_equal_the_reference_the_cpu_runs(dtype):
     want = _with_grads(_flash(q, k, v, plan_of_blocks(blocks, 8, 6), 16), (q, k, v), grad)
     cuda_blocks = build_blocks(batch.to("cuda"), torch.tensor(anchors, device="cuda"), 16, MASK, 7.0)
     qc, kc, vc = (x.detach().to("cuda", dtype).requires_grad_() for x in (q, k, v))
-    got = _with_grads(_flash(qc, kc, vc, plan_of_blocks(cuda_blocks, 8, 6), 16), (qc, kc, vc),
-                      grad.to("cuda", dtype))
+    plan = plan_of_blocks(cuda_blocks, 8, 6, max_call_keys)
+    assert max_call_keys is None or all(len(calls) > 1 for calls in plan.parts)
+    got = _with_grads(_flash(qc, kc, vc, plan, 16), (qc, kc, vc), grad.to("cuda", dtype))
     for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
         # the kernels round P before P @ V and dS before dS @ K to the half type, and return half
         # results: a relative error of a few of its eps in norm (errors of many terms average out)

@@ -154,6 +154,25 @@ def test_fill_ratio_on_a_long_tailed_mix_is_at_least_95_percent():
         assert packer.fill_ratio(epoch) >= 0.95
 
 
+@pytest.mark.parametrize("budget", [32768, 65536])
+def test_whole_long_documents_pack_into_32k_and_64k_budgets(budget):
+    # regenerated thinking traces: lognormal around 12K tokens (1-32K), 64 of them exactly 32K
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(np.log(12_000), 0.5, 2_000), 1_000, 32_768).astype(np.int64)
+    lengths[rng.choice(len(lengths), 64, replace=False)] = 32_768
+    packer = Packer(lengths, budget, seed=0)
+    for epoch in (0, 1):
+        batches = packer.epoch_batches(epoch)
+        assert sorted(d for b in batches for d in b) == list(range(len(lengths)))   # each whole, once
+        assert max(int(lengths[b].sum()) for b in batches) <= budget
+        assert packer.fill_ratio(epoch) >= 0.95
+    full = [b for b in packer.epoch_batches(0) if 32_768 in lengths[b]]
+    if budget == 32768:
+        assert all(len(b) == 1 for b in full)           # a 32K-token document is a batch of its own
+    else:
+        assert sum(len(b) > 1 for b in full) > len(full) // 2   # in 64K it shares its batch
+
+
 @pytest.mark.parametrize("lengths, budget, message", [
     (np.array([10, 5000, 20]), 4096, "document 1 has 5000 tokens > token_budget 4096"),
     (np.array([10, 0, 20]), 4096, "non-empty"),

@@ -372,6 +372,22 @@ def test_too_small_shm_dir_raises_ring_space_error_and_leaves_no_file(
         assert not RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
 
 
+def test_a_ring_of_long_document_slots_that_shm_cannot_hold_says_what_it_needs(
+        tmp_path: pytest.TempPathFactory, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.batch import slot_tensor_specs
+
+    # the worker's slot for 32,768-token batches at the 27B shape (5 planes of 5,120, bf16): the
+    # planes, the token and document tables, the table reserve
+    slot = slot_bytes(slot_tensor_specs(32768, 32768, 5, 5120, torch.bfloat16))
+    planes = 5 * 32768 * 5120 * 2
+    assert planes < slot < planes + 2 * MiB
+    aligned = -(-slot // SLOT_ALIGN) * SLOT_ALIGN        # each slot starts 2 MiB-aligned
+    with _small_shm(tmp_path, "1m", monkeypatch) as small:
+        with pytest.raises(RingSpaceError, match=rf"needs \d+ bytes \(6 slots x {aligned} bytes .* Enlarge it"):
+            ProducerRing.create(small, ring_name, 0, slot_count=6, slot_size=slot, cuda_register="off")
+        assert os.listdir(small) == []
+
+
 def test_enospc_from_posix_fallocate_is_a_space_error_with_no_file_left(
         shm_dir: str, ring_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(fd: int, offset: int, length: int) -> None:

@@ -746,13 +746,13 @@ def part_long(ctx: Ctx) -> str:
     # P2 at that length
     numbers: dict[str, Any] = {"token_budget": budget, "doc_tokens": long_doc, "batches_timed": a.long_p2_batches,
                                "repeats": a.long_p2_repeats, "audit_every": a.audit_every, "target": target}
+    p2 = None
     try:
         dataset = PreparedDataset.open(data_dir)
         packer = Packer(dataset.lengths, budget, a.seed)
         p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.long_p2_batches)), long_doc,
                    a.p2_warmup, "p2long")
         numbers.update(p2.turns(a.long_p2_repeats), tokens_timed=p2.tokens)
-        del p2
         ratios = numbers["ratio_runs"]
         ctx.store.benchmark("P2L", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
         figures["target_worker_tok_s"] = numbers["worker_tok_s"]
@@ -761,7 +761,7 @@ def part_long(ctx: Ctx) -> str:
         traceback.print_exc()
         failed.append("P2L")
         ctx.store.benchmark_error("P2L", f"{type(e).__name__}: {e}", numbers)
-    del runner
+    del runner, p2      # the drafter gets the GPU to itself
     gc.collect()
     if ctx.cuda:
         torch.cuda.empty_cache()
