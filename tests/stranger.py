@@ -91,3 +91,25 @@ class Stranger:
 def as_stranger(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn(*args)` once as the stranger and return its result."""
     return Stranger(lambda stopping, *a: fn(*a), *args).stop()
+
+
+def bind_router(stopping: Callable[[], bool], endpoint: str, answer: bytes | None = None) -> dict:
+    """As the stranger: bind a ROUTER at `endpoint` and count the messages that reach it until
+    stopped, answering each with `answer` when given. Closing it removes its socket file."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    messages = 0
+    while not stopping():
+        if sock.poll(50):
+            peer, *_ = sock.recv_multipart()
+            messages += 1
+            if answer is not None:
+                sock.send_multipart([peer, answer])
+    sock.close()
+    ctx.term()
+    return {"frames": messages}
+

@@ -20,7 +20,7 @@ from common.config import Config
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
 from stranger import UID as STRANGER
-from stranger import Stranger, as_stranger, need_root
+from stranger import Stranger, as_stranger, bind_router, need_root
 
 HELLO = Hello(rid=1, job="job-1", secret="ab" * 16, rank=0, world=1, pid=os.getpid(), start_time=1,
               have=SeqSet([0, 1]), epochs=1, credit=2, heldout=False)
@@ -428,29 +428,12 @@ def test_an_endpoint_folder_or_socket_another_user_controls_is_refused_naming_th
         RouterChannel(f"ipc://{shared}/t.sock")
 
 
-def _bind_and_answer(stopping: Callable[[], bool], endpoint: str) -> dict:
-    """As the stranger: bind a ROUTER and answer every frame with a Pong."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    frames = 0
-    while not stopping():
-        if sock.poll(50):
-            peer, _ = sock.recv_multipart()
-            frames += 1
-            sock.send_multipart([peer, Pong(rid=4, t=0.0).encode()])
-    sock.close()
-    ctx.term()
-    return {"frames": frames}
-
-
 def test_a_client_asks_the_kernel_who_bound_an_endpoint_and_takes_nothing_from_a_stranger(sock_dir: str) -> None:
     need_root()
     os.chmod(sock_dir, 0o1777)
     endpoint = f"ipc://{sock_dir}/s.sock"
     assert check_ipc_server(endpoint) is False, "nobody listens yet"
-    with Stranger(_bind_and_answer, endpoint) as stranger:
+    with Stranger(bind_router, endpoint, Pong(rid=4, t=0.0).encode()) as stranger:
         _wait_for_file(os.path.join(sock_dir, "s.sock"))
         with pytest.raises(ChannelError, match=r"is bound by uid 65534 \(nobody\) \(pid \d+\)"):
             check_ipc_server(endpoint)

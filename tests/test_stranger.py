@@ -29,7 +29,7 @@ from common.liveness import process_start_time
 from common.protocol import MAX_EPOCHS, Control, Hello, Ping, Reply, new_session_secret, next_rid
 from common.seqset import SeqSet
 from e2e import REPO, Service, assert_exactly_once, ctl, load, serving, wait_for, write_config
-from stranger import Stranger, as_stranger, need_root
+from stranger import Stranger, as_stranger, bind_router, need_root
 from test_target_server import ScriptedConsumer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -255,21 +255,6 @@ def test_a_flood_of_large_frames_from_12_connections_leaves_the_trainer_bounded(
         trainer.stop()
 
 
-def _listen(stopping, endpoint: str) -> dict:
-    """As the stranger: bind the endpoint and count every frame that reaches it until stopped."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    frames = 0
-    while not stopping():
-        if sock.poll(50):
-            frames += len(sock.recv_multipart())
-    sock.close()   # removes its socket file
-    ctx.term()
-    return {"frames": frames}
-
-
 def test_a_stranger_bound_to_the_endpoint_while_the_target_is_down_never_hears_a_hello(tmp_path: Path) -> None:
     need_root()
     shared = tempfile.mkdtemp(prefix="dfsh", dir="/tmp")   # a shared sticky folder like /tmp
@@ -278,7 +263,7 @@ def test_a_stranger_bound_to_the_endpoint_while_the_target_is_down_never_hears_a
     config = write_config(tmp_path, samples=10, service={"target_endpoint": f"ipc://{sock}"})
     services: list[Service] = []
     try:
-        with Stranger(_listen, f"ipc://{sock}") as stranger:
+        with Stranger(bind_router, f"ipc://{sock}") as stranger:
             wait_for(lambda: os.path.exists(sock) and os.stat(sock).st_uid == 65534, 10, "the stranger bound")
             trainer = Service("trainer", config, tmp_path)
             services.append(trainer)
