@@ -74,8 +74,8 @@ FULL: dict[str, Any] = dict(
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
     p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
-    p5d_precision="bf16",   # p5d: the headline's drafter.precision (the trainer's default)
-    p5d_other_precision="",   # p5d (P5f): also step this precision on the same batches ("fp8": FP8 against bf16)
+    p5d_precision="",   # p5d: the headline's drafter.precision ("": the trainer's default, resolved on this device)
+    p5d_other_precision="fp8",   # p5d (P5f): also step this precision on the same batches ("": none; skipped without FP8 tensor cores)
     # long (issue 33): documents of long_doc tokens at a budget of long_budget (configs/gpu-long.yaml),
     # against long_short_doc-token documents at the same budget; drafter chunks and fc as that config
     long_budget=32768, long_doc=32768, long_short_doc=3072, long_batches=4, long_p2_batches=6, long_p2_repeats=2,
@@ -451,6 +451,7 @@ def part_p5d(ctx: Ctx) -> str:
 
     from bench.gpu.drafter_rig import DrafterRig
     from bench.trainer_bench import step_flops
+    from drafter_trainer.fp8 import fp8_supported
     from drafter_trainer.loss import auto_blocks_per_chunk
 
     a = ctx.args
@@ -460,8 +461,11 @@ def part_p5d(ctx: Ctx) -> str:
     if a.layer_compile_options:
         from drafter_trainer import model as drafter_model
         drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
+    from common.config import DrafterConfig
+    from drafter_trainer.fp8 import resolve_precision
+    headline_precision = resolve_precision(a.p5d_precision or DrafterConfig().precision, dev)
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
-                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
+                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=headline_precision)
     from drafter_trainer.model import resolve_attention
     rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
     work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
@@ -526,9 +530,14 @@ def part_p5d(ctx: Ctx) -> str:
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
-    if a.p5d_other_precision and a.p5d_other_precision != rig.model.precision:
+    other = a.p5d_other_precision
+    if other == "fp8" and not (ctx.cuda and fp8_supported(dev.index or 0)):
+        ctx.store.benchmark("P5f", {}, {"not_measured": "no FP8 tensor cores here (compute capability < 8.9)"})
+        other = ""
+    if other and other != rig.model.precision:
         p5f = p5d_other_precision(rig, work, best, a, peak, chosen)
         fp8, bf16 = (p5f, chosen) if p5f["precision"].startswith("fp8") else (chosen, p5f)
+        ctx.store.figures("p5d", other_precision=p5f["precision"], drafter_other_tok_s=p5f["tok_s"])
         ctx.store.benchmark("P5f", {"fp8_over_bf16_tok_s": fp8["tok_s"] / bf16["tok_s"],
                                     "peak_mem_gb": fp8.get("peak_mem_gb"),
                                     "grad_cosine_min": p5f["grad_cosine"]["min"]},
@@ -536,7 +545,8 @@ def part_p5d(ctx: Ctx) -> str:
                              "bf16_tok_s": bf16["tok_s"]})
     ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
                       drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
-                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best)
+                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best,
+                      precision=rig.model.precision)
     print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
     return "measured"
 
@@ -609,6 +619,8 @@ def p5d_other_precision(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: ar
         rig.model.precision = base
         out = timed_against(rig, work, chunk, a, peak, headline, "other precision",
                             headline_precision=headline_precision, precision=base)
+        if rig.cuda and a.p5_profile:     # where the other precision's step spends its time
+            out["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), rig.device, top=a.p5_profile)
         batch, blocks = work[0]
         planed = rig.with_planes(batch)
         want = rig.gradients(planed, blocks)
@@ -647,12 +659,19 @@ def part_p7(ctx: Ctx) -> str:
     gpus = a.p7_gpus
     rows = host_splits(target, drafter, gpus)
     best = max(rows, key=lambda r: r["tok_s"])
+    # the limit is bf16's: both services' counted FLOPs at the measured bf16 matmul peak
     limit = gpus * peak * 1e12 / ((target_gflop + drafter_gflop) * 1e9)
     numbers = {"gpus": gpus, "target_full_depth_tok_s_per_gpu": target, "target_proxy_tok_s": target_proxy,
                "depth_scale": f"{proxy_layers}/{a.real_layers_computed} layers", "drafter_tok_s_per_gpu": drafter,
+               "drafter_precision": p5d.get("precision"),
                "target_gflop_per_token": target_gflop, "drafter_gflop_per_token": drafter_gflop,
                "matmul_peak_tflops": peak, "flop_limit_tok_s": limit, "best": best, "splits": rows,
                "projected_tok_s": best["tok_s"]}
+    other = p5d.get("drafter_other_tok_s")
+    if other:   # the same projection with P5f's other precision (the default's alternative)
+        alt = max(host_splits(target, other, gpus), key=lambda r: r["tok_s"])
+        numbers["other_precision"] = {"precision": p5d.get("other_precision"), "drafter_tok_s_per_gpu": other,
+                                      "best": alt, "over_flop_limit": alt["tok_s"] / limit}
     ctx.store.benchmark("P7", {"projected_over_flop_limit": best["tok_s"] / limit}, numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "projected"
@@ -661,8 +680,14 @@ def part_p7(ctx: Ctx) -> str:
 def host_splits(target: float, drafter: float, gpus: int) -> list[dict[str, Any]]:
     """Each split of `gpus` GPUs into n target and gpus - n trainer GPUs, at `target` and `drafter`
     tok/s per GPU: what it delivers (the lesser side) and which side bounds it."""
-    return [{"target_gpus": n, "trainer_gpus": gpus - n, "tok_s": min(n * target, (gpus - n) * drafter),
-             "bound_by": "target" if n * target < (gpus - n) * drafter else "trainer"} for n in range(1, gpus)]
+    rows = []
+    for n in range(1, gpus):
+        tok_s = min(n * target, (gpus - n) * drafter)
+        # GPU time the bound side leaves unused on the other side, as a share of the host
+        idle = (n - tok_s / target) + (gpus - n - tok_s / drafter)
+        rows.append({"target_gpus": n, "trainer_gpus": gpus - n, "tok_s": tok_s, "idle_share": idle / gpus,
+                     "bound_by": "target" if n * target < (gpus - n) * drafter else "trainer"})
+    return rows
 
 
 def target_flops_per_token(shape: fixtures.TargetShape, layers: int, median_len: float) -> float:
