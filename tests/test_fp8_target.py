@@ -218,25 +218,77 @@ fp8_cuda_only = pytest.mark.skipif(_fp8_matmul_missing() is not None, reason=str
 FP8_MATMUL_OPEN = pytest.mark.xfail(strict=True, reason="FP8 target matmuls on the H200: see docs/benchmarks.md, run BC")
 
 
+def _blocks_of_many_magnitudes(n: int, k: int, block: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """randn [n, k] with each block scaled by its own power of two: a scale applied to the wrong block shows."""
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    magnitude = 2.0 ** torch.randint(-6, 7, (rows, cols), generator=g, device=g.device).float()
+    return torch.randn(n, k, generator=g, device=g.device) * _expand(magnitude, n, k, block)
+
+
 @fp8_cuda_only
-@FP8_MATMUL_OPEN
-def test_block_fp8_kernels_compute_their_definition_on_cuda() -> None:
+def test_activation_quantization_kernel_is_its_definition_bit_for_bit_on_cuda() -> None:
+    """The kernel and `quantize_activations_reference` both divide by IEEE division. A torch tensor
+    divided by a Python number on CUDA is multiplied by the number's reciprocal instead (ATen's
+    div_true_kernel_cuda), one bit off the quotient for about half of all amax: the last-bit
+    difference of the scales seen on the H200 (run BE) was that, in the definition."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    m, n, k = 300, 260, 300                            # partial blocks in every dimension
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    m, k = 300, 300                                    # a partial 128-column group
+    x = _blocks_of_many_magnitudes(m, k, (1, 128), g).to(torch.bfloat16)
     x[5] = 0                                           # an all-zero token
-    q, scale = fp8.quantize_weight(torch.randn(n, k, device="cuda", generator=g))
-    # dynamic activations by definition: each token's run of 128 columns scaled by its largest / 448
-    groups = torch.nn.functional.pad(x.float(), (0, 384 - k)).view(m, 3, 128)
-    x_scale = groups.abs().amax(-1).clamp_min(fp8.ACT_EPS) / fp8.FP8_MAX
-    x_q = (groups / x_scale[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn).view(m, 384)[:, :k]
     got_q, got_scale = fp8.quantize_activations(x, 128)
-    assert torch.equal(got_scale, x_scale) and torch.equal(got_q.view(torch.uint8), x_q.view(torch.uint8))
-    expected = (x_q.float() * _expand(x_scale, m, k, (1, 128))) @ (q.float() * _expand(scale, n, k, fp8.BLOCK)).T
-    y = fp8.block_fp8_linear(x.view(1, m, k), q, scale, fp8.BLOCK)
+    want_q, want_scale = fp8.quantize_activations_reference(x, 128)
+    assert got_scale.shape == (m, 3) and got_scale.stride() == (1, m)     # token-minor, as cuBLAS reads
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert bool((got_q[5].float() == 0).all())
+    # the definition is the same on the CPU and on CUDA, and so is the weight quantizer's
+    cpu_q, cpu_scale = fp8.quantize_activations_reference(x.cpu(), 128)
+    assert torch.equal(cpu_scale, want_scale.cpu())
+    assert torch.equal(cpu_q.view(torch.uint8), want_q.view(torch.uint8).cpu())
+    w = _blocks_of_many_magnitudes(260, 300, fp8.BLOCK, g)
+    (wq, ws), (cq, cs) = fp8.quantize_weight(w), fp8.quantize_weight(w.cpu())
+    assert torch.equal(ws.cpu(), cs) and torch.equal(wq.view(torch.uint8).cpu(), cq.view(torch.uint8))
+
+
+def _gemm_or_skip(gemm: str) -> None:
+    if gemm == fp8.GEMM_CUBLAS and (why := fp8.cublas_block_gemm_unavailable(torch.device("cuda", 0))):
+        pytest.skip(f"cuBLAS's block-scaled FP8 GEMM does not run here: {why}")
+
+
+@fp8_cuda_only
+@pytest.mark.parametrize("gemm, m, n, k", [
+    ("triton", 300, 260, 300),       # partial blocks in every dimension
+    ("triton", 1, 272, 1024),
+    ("cublas", 300, 272, 1024),      # the shapes cuBLAS takes: K a multiple of 512, N of 16 (a partial row block)
+    ("cublas", 1, 272, 1024),        # one token
+])
+def test_each_block_fp8_gemm_computes_the_dequantized_product_on_cuda(gemm: str, m: int, n: int, k: int) -> None:
+    _gemm_or_skip(gemm)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = _blocks_of_many_magnitudes(m, k, (1, 128), g).to(torch.bfloat16)
+    q, scale = fp8.quantize_weight(_blocks_of_many_magnitudes(n, k, fp8.BLOCK, g))
+    xq, xs = fp8.quantize_activations(x, 128)
+    expected = fp8.dequantized_matmul(xq, xs, q, scale, fp8.BLOCK)
+    y = fp8.block_fp8_linear(x.view(1, m, k), q, scale, fp8.BLOCK, gemm)
     assert y.dtype == torch.bfloat16 and y.shape == (1, m, n)
+    # the same e4m3 values and scales: apart only by the tensor cores' accumulation of k terms
+    # and the bf16 output
     torch.testing.assert_close(y[0].float(), expected, **fp8_matmul_tol(k, scale=float(expected.abs().max()),
                                                                         rounded_to=torch.bfloat16))
+    assert fp8.block_fp8_linear(x[:0], q, scale, fp8.BLOCK, gemm).shape == (0, n)
+
+
+@fp8_cuda_only
+def test_the_gemm_is_chosen_at_load_by_what_the_cuda_device_runs_and_the_shape_fits() -> None:
+    device = torch.device("cuda", 0)
+    cublas = fp8.cublas_block_gemm_unavailable(device) is None
+    assert fp8.choose_gemm(device, 272, 1024, fp8.BLOCK) == (fp8.GEMM_CUBLAS if cublas else fp8.GEMM_TRITON)
+    for n, k, block in ((272, 1000, fp8.BLOCK), (272, 384, fp8.BLOCK), (260, 1024, fp8.BLOCK), (272, 1024, (64, 64))):
+        assert fp8.choose_gemm(device, n, k, block) == fp8.GEMM_TRITON, (n, k, block)
+    linear = torch.nn.Linear(1024, 272, bias=False, device="cuda")
+    q, scale = fp8.quantize_weight(linear.weight.detach())
+    module = fp8.runnable(linear, q, scale, fp8.BLOCK, fp8_matmul=True)
+    assert isinstance(module, fp8.BlockFp8Linear) and module.gemm == fp8.choose_gemm(device, 272, 1024, fp8.BLOCK)
 
 
 @fp8_cuda_only
