@@ -211,6 +211,18 @@ def precision(quantized: bool, fp8_matmul: bool, dtype: torch.dtype) -> str:
     return FP8_PRECISION if fp8_matmul else f"{FP8_PRECISION}-dequantized-{name}"
 
 
+def audit_tolerance(configured: float, precision: str) -> float:
+    """The audit's tolerance (a document alone against its packed planes, largest difference over
+    largest value) for a target run in `precision`: `configured` (target.audit_tolerance, the
+    difference of two orders of the same bf16 computation) where the matmul inputs are not
+    quantized; with FP8 matmuls (fp8-block) one e4m3 step more. Quantization is per token, so it
+    adds no packing dependency (in fp32 alone and packed FP8 planes agree as the unquantized ones
+    do), but the bf16 noise between the two orders moves some matmul inputs across an e4m3 rounding
+    boundary, and each such input then lands a whole step apart: at most eps(e4m3) = 2^-3 of its
+    value, so at most that much of the magnitude of the terms summed into an output."""
+    return configured + (torch.finfo(FP8_DTYPE).eps if precision == FP8_PRECISION else 0.0)
+
+
 GEMM_CUBLAS = "cublas"      # torch._scaled_mm, 1x128 activation x 128x128 weight scales (cuBLASLt)
 GEMM_TRITON = "triton"      # the Triton kernel below (`_build_kernels`)
 GEMMS = (GEMM_CUBLAS, GEMM_TRITON)
