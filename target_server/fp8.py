@@ -256,11 +256,11 @@ def _probe_cublas_block_gemm(device: torch.device) -> str | None:
     w, w_scale = quantize_weight(torch.randn(n, k, device=device, generator=g) * w_mag)
     try:
         q, q_scale = quantize_activations(x, BLOCK[1])
-        got = _cublas_matmul(q, q_scale, w, w_scale, torch.float32)
+        got = _cublas_matmul(q, q_scale, w, w_scale, torch.bfloat16).float()     # as the target runs it
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
         return f"torch._scaled_mm with block scales: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     want = dequantized_matmul(q, q_scale, w, w_scale, BLOCK)
-    # rounding in the accumulation is far below one e4m3 step; a misread scale is far above
+    # rounding (the accumulation's, bf16's) is far below one e4m3 step; a misread scale far above
     err = float((got - want).norm() / want.norm())
     if not err < torch.finfo(FP8_DTYPE).eps:
         return f"torch._scaled_mm with block scales is {err:.3g} off the definition (relative)"
