@@ -246,7 +246,7 @@ def cublas_block_gemm_unavailable(device: torch.device) -> str | None:
 
 def _probe_cublas_block_gemm(device: torch.device) -> str | None:
     g = torch.Generator(device=device).manual_seed(0)
-    m, n, k = 48, 256, 512
+    m, n, k = 37, 256, 512                  # a token count of no particular alignment
     # every weight block and activation group of another magnitude (powers of two): a scale read
     # from the wrong place moves whole tiles by a factor of 2 or more
     w_mag = 2.0 ** torch.arange(n // BLOCK[0] * (k // BLOCK[1]), device=device, dtype=torch.float32)
@@ -267,11 +267,14 @@ def _probe_cublas_block_gemm(device: torch.device) -> str | None:
     return None
 
 
-def choose_gemm(device: torch.device, out_features: int, in_features: int, block: tuple[int, int]) -> str:
-    """The GEMM a Linear of this shape runs on `device`: cuBLAS's where it runs it (128 x 128
-    blocks, K a multiple of 512 so the weight scales' rows are 16-byte aligned without padding,
-    N a multiple of 16 as torch._scaled_mm requires), else Triton's."""
-    fits = tuple(block) == BLOCK and in_features % (4 * BLOCK[1]) == 0 and out_features % 16 == 0
+def choose_gemm(device: torch.device, out_features: int, in_features: int, block: tuple[int, int],
+                dtype: torch.dtype) -> str:
+    """The GEMM a Linear of this shape and compute dtype runs on `device`: cuBLAS's where it runs
+    it (128 x 128 blocks; K a multiple of 512, so the weight scales' rows are 16-byte aligned
+    without padding; N a multiple of 16, as torch._scaled_mm requires; bf16 outputs, what the
+    probe checked), else Triton's."""
+    fits = (tuple(block) == BLOCK and in_features % (4 * BLOCK[1]) == 0 and out_features % 16 == 0
+            and dtype == torch.bfloat16)
     return GEMM_CUBLAS if fits and cublas_block_gemm_unavailable(device) is None else GEMM_TRITON
 
 
@@ -316,7 +319,7 @@ def runnable(linear: nn.Linear, weight: torch.Tensor, scale_inv: torch.Tensor, b
         linear.weight = nn.Parameter(dequantize_weight(weight, scale_inv, block, linear.weight.dtype),
                                      requires_grad=False)
         return linear
-    gemm = choose_gemm(weight.device, linear.out_features, linear.in_features, block)
+    gemm = choose_gemm(weight.device, linear.out_features, linear.in_features, block, linear.weight.dtype)
     new = BlockFp8Linear(linear.in_features, linear.out_features, block, bias=linear.bias is not None,
                          device="meta", gemm=gemm)
     new.weight = nn.Parameter(weight.contiguous(), requires_grad=False)

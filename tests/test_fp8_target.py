@@ -322,15 +322,18 @@ def test_each_block_fp8_gemm_computes_the_dequantized_product_on_cuda(gemm: str,
 
 @fp8_cuda_only
 def test_the_gemm_is_chosen_at_load_by_what_the_cuda_device_runs_and_the_shape_fits() -> None:
-    device = torch.device("cuda", 0)
+    device, bf16 = torch.device("cuda", 0), torch.bfloat16
     cublas = fp8.cublas_block_gemm_unavailable(device) is None
-    assert fp8.choose_gemm(device, 272, 1024, fp8.BLOCK) == (fp8.GEMM_CUBLAS if cublas else fp8.GEMM_TRITON)
-    for n, k, block in ((272, 1000, fp8.BLOCK), (272, 384, fp8.BLOCK), (260, 1024, fp8.BLOCK), (272, 1024, (64, 64))):
-        assert fp8.choose_gemm(device, n, k, block) == fp8.GEMM_TRITON, (n, k, block)
-    linear = torch.nn.Linear(1024, 272, bias=False, device="cuda")
+    assert fp8.choose_gemm(device, 272, 1024, fp8.BLOCK, bf16) == (fp8.GEMM_CUBLAS if cublas else fp8.GEMM_TRITON)
+    for n, k, block, dtype in ((272, 1000, fp8.BLOCK, bf16), (272, 384, fp8.BLOCK, bf16), (260, 1024, fp8.BLOCK, bf16),
+                               (272, 1024, (64, 64), bf16), (272, 1024, fp8.BLOCK, torch.float32)):
+        assert fp8.choose_gemm(device, n, k, block, dtype) == fp8.GEMM_TRITON, (n, k, block, dtype)
+    linear = torch.nn.Linear(1024, 272, bias=False, device="cuda", dtype=bf16)
     q, scale = fp8.quantize_weight(linear.weight.detach())
     module = fp8.runnable(linear, q, scale, fp8.BLOCK, fp8_matmul=True)
-    assert isinstance(module, fp8.BlockFp8Linear) and module.gemm == fp8.choose_gemm(device, 272, 1024, fp8.BLOCK)
+    assert isinstance(module, fp8.BlockFp8Linear) and module.gemm == fp8.choose_gemm(device, 272, 1024, fp8.BLOCK, bf16)
+    x = torch.randn(5, 1024, device="cuda", dtype=bf16)
+    assert module(x).shape == (5, 272) and module(x).dtype == bf16
 
 
 @pytest.fixture(scope="module")

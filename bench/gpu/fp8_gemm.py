@@ -79,7 +79,7 @@ def compare(shapes: tuple[tuple[str, int, int], ...] = SHAPES_27B, tokens: tuple
                 if gemm == fp8.GEMM_CUBLAS and (reason := fp8.cublas_block_gemm_unavailable(device)):
                     records.append({**record, "unavailable": reason})
                     continue
-                if gemm == fp8.GEMM_CUBLAS and fp8.choose_gemm(device, n, k, fp8.BLOCK) != gemm:
+                if gemm == fp8.GEMM_CUBLAS and fp8.choose_gemm(device, n, k, fp8.BLOCK, torch.bfloat16) != gemm:
                     records.append({**record, "unavailable": "shape outside cuBLAS's constraints"})
                     continue
                 try:
