@@ -226,6 +226,9 @@ def audit_tolerance(configured: float, precision: str) -> float:
 GEMM_CUBLAS = "cublas"      # torch._scaled_mm, 1x128 activation x 128x128 weight scales (cuBLASLt)
 GEMM_TRITON = "triton"      # the Triton kernel below (`_build_kernels`)
 GEMMS = (GEMM_CUBLAS, GEMM_TRITON)
+# cuBLASLt reads the token-minor activation scales in rows of 16 bytes: a multiple of 4 tokens (as
+# vLLM's torch._scaled_mm block backend pads them)
+CUBLAS_ROWS = 4
 _CUBLAS_WHY: dict[torch.device, str | None] = {}     # per device: why cuBLAS's block GEMM cannot run (None: it can)
 
 
@@ -255,11 +258,10 @@ def _probe_cublas_block_gemm(device: torch.device) -> str | None:
     x = torch.randn(m, k, device=device, generator=g) * x_mag.view(m, -1).repeat_interleave(BLOCK[1], 1)
     w, w_scale = quantize_weight(torch.randn(n, k, device=device, generator=g) * w_mag)
     try:
-        q, q_scale = quantize_activations(x, BLOCK[1])
-        got = _cublas_matmul(q, q_scale, w, w_scale, torch.bfloat16).float()     # as the target runs it
+        got = block_fp8_linear(x.to(torch.bfloat16), w, w_scale, BLOCK, GEMM_CUBLAS).float()   # as the target runs it
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
         return f"torch._scaled_mm with block scales: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    want = dequantized_matmul(q, q_scale, w, w_scale, BLOCK)
+    want = dequantized_matmul(*quantize_activations_reference(x.to(torch.bfloat16), BLOCK[1]), w, w_scale, BLOCK)
     # rounding (the accumulation's, bf16's) is far below one e4m3 step; a misread scale far above
     err = float((got - want).norm() / want.norm())
     if not err < torch.finfo(FP8_DTYPE).eps:
@@ -351,22 +353,28 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q, xs = quantize_activations(x2, block[1])
-    return block_fp8_matmul(q, xs, weight, scale_inv, block, x.dtype, gemm).view(*lead, weight.shape[0])
+    m = x2.shape[0]
+    q, xs = quantize_activations(x2, block[1], rows=-(-m // CUBLAS_ROWS) * CUBLAS_ROWS if gemm == GEMM_CUBLAS else m)
+    return block_fp8_matmul(q, xs, weight, scale_inv, block, x.dtype, gemm)[:m].view(*lead, weight.shape[0])
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], fp32 scales [M, ceil(K/group)]): `quantize_activations_reference` by a Triton
-    kernel, bit for bit. The scales are laid out token-minor (strides (1, M)), the layout cuBLAS's
-    1x128 scaling reads; the Triton GEMM reads any."""
+def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [rows, K], fp32 scales [rows, ceil(K/group)]): `quantize_activations_reference` of x [M, K]
+    by a Triton kernel, bit for bit; `rows` (default M) may be more than M, the rows past M those
+    of zero tokens (cuBLAS's GEMM takes a multiple of CUBLAS_ROWS). The scales are laid out
+    token-minor (strides (1, rows)), the layout cuBLAS's 1x128 scaling reads; the Triton GEMM reads any."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(-(-k // group), m, dtype=torch.float32, device=x.device).t()
-    if m:
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"quantize_activations: rows {rows} < the {m} tokens of x")
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(-(-k // group), rows, dtype=torch.float32, device=x.device).t()
+    if rows:
         kernels = _kernels()
-        grid = (-(-m // _QUANT_ROWS), scales.shape[1])
-        kernels.quantize[grid](x, q, scales, m, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-                               GROUP=group, ROWS=_QUANT_ROWS, FP8_MAX=FP8_MAX, EPS=ACT_EPS, num_warps=4)
+        grid = (-(-rows // _QUANT_ROWS), scales.shape[1])
+        kernels.quantize[grid](x, q, scales, m, rows, k, x.stride(0), q.stride(0), scales.stride(0),
+                               scales.stride(1), GROUP=group, ROWS=_QUANT_ROWS, FP8_MAX=FP8_MAX, EPS=ACT_EPS,
+                               num_warps=4)
     return q, scales
 
 
@@ -412,6 +420,9 @@ def _cublas_matmul(q: torch.Tensor, q_scales: torch.Tensor, weight: torch.Tensor
     [K/128, N/128] weight scale (128x128, the checkpoint's [N/128, K/128] transposed: strides
     (1, K/128), 16-byte aligned as K/128 is a multiple of 4). The weight is the column-major
     [K, N] view of [N, K]."""
+    if q.shape[0] % CUBLAS_ROWS:
+        raise ValueError(f"cuBLAS's block-scaled GEMM takes a multiple of {CUBLAS_ROWS} tokens, got {q.shape[0]} "
+                         "(quantize_activations(..., rows=) pads)")
     if q.shape[0] == 0:
         return torch.empty(0, weight.shape[0], dtype=out_dtype, device=q.device)
     return torch._scaled_mm(q, weight.t(), scale_a=q_scales, scale_b=scale_inv.t(), out_dtype=out_dtype)
@@ -435,20 +446,21 @@ def _build_kernels() -> Any:
 
     # The token count M is not specialized on (Triton would compile another variant whenever a
     # packed row's length changes between a multiple of 16 and not), nor the scales' group stride,
-    # which is M in the token-minor layout.
-    @triton.jit(do_not_specialize=["M", "stride_sg"])
-    def quantize(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
+    # which is the row count in the token-minor layout.
+    @triton.jit(do_not_specialize=["M", "M_OUT", "stride_sg"])
+    def quantize(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, stride_q, stride_sm, stride_sg,
                  GROUP: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mask = (rows[:, None] < M_OUT) & (cols[None, :] < K)         # rows from M on: zero tokens
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask & (rows[:, None] < M),
+                    other=0.0).to(tl.float32)
         # IEEE divisions (Triton's `/` is an approximate one on CUDA): the scales and e4m3 values are
         # exactly those of quantize_activations_reference
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), EPS), FP8_MAX)
         q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sg, scale, mask=rows < M)
+        tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sg, scale, mask=rows < M_OUT)
 
     # Tile shapes tried once per weight shape (N, K) at the warm-up; the number of tokens is left
     # out of the key, so a packed row of a new length never tunes again. The 128 x 256 tiles

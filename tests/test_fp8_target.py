@@ -283,6 +283,10 @@ def test_activation_quantization_kernel_is_its_definition_bit_for_bit_on_cuda() 
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert bool((got_q[5].float() == 0).all())
+    # padded to more rows (cuBLAS's multiple of 4 tokens): the same, then zero tokens
+    pad_q, pad_scale = fp8.quantize_activations(x, 128, rows=m + 3)
+    assert pad_scale.stride() == (1, m + 3) and torch.equal(pad_scale[:m], want_scale)
+    assert torch.equal(pad_q[:m].view(torch.uint8), want_q.view(torch.uint8)) and bool((pad_q[m:].float() == 0).all())
     # the definition is the same on the CPU and on CUDA, and so is the weight quantizer's
     cpu_q, cpu_scale = fp8.quantize_activations_reference(x.cpu(), 128)
     assert torch.equal(cpu_scale, want_scale.cpu())
@@ -302,6 +306,7 @@ def _gemm_or_skip(gemm: str) -> None:
     ("triton", 300, 260, 300),       # partial blocks in every dimension
     ("triton", 1, 272, 1024),
     ("cublas", 300, 272, 1024),      # the shapes cuBLAS takes: K a multiple of 512, N of 16 (a partial row block)
+    ("cublas", 301, 272, 1024),      # tokens not a multiple of 4: padded for cuBLAS, the padding cut off
     ("cublas", 1, 272, 1024),        # one token
 ])
 def test_each_block_fp8_gemm_computes_the_dequantized_product_on_cuda(gemm: str, m: int, n: int, k: int) -> None:

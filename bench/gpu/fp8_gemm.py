@@ -64,7 +64,7 @@ def compare(shapes: tuple[tuple[str, int, int], ...] = SHAPES_27B, tokens: tuple
         w_bf16 = fp8.dequantize_weight(wq, ws, fp8.BLOCK, torch.bfloat16)
         for m in tokens:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
-            q, qs = fp8.quantize_activations(x, fp8.BLOCK[1])
+            q, qs = fp8.quantize_activations(x, fp8.BLOCK[1], rows=-(-m // fp8.CUBLAS_ROWS) * fp8.CUBLAS_ROWS)
             flops = 2.0 * m * n * k
             base = {"shape": name, "M": m, "N": n, "K": k}
             bf16_ms = _ms(lambda: F.linear(x, w_bf16), iters)
