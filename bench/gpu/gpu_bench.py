@@ -1013,11 +1013,19 @@ def part_fp8(ctx: Ctx) -> str:
                         numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "measured"
+
+
 def _fp8_gemm_micro(ctx: Ctx, budget: int) -> None:
-    """P8's GEMM micro-benchmark (bench/gpu/fp8_gemm.py) at a batch's tokens and a quarter of them."""
+    """P8's GEMM micro-benchmark (bench/gpu/fp8_gemm.py) at a batch's tokens and a quarter of them;
+    a failure is logged and recorded, and P8 runs on."""
     from bench.gpu.fp8_gemm import best, compare
 
-    records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
+    try:
+        records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
+    except Exception as e:
+        traceback.print_exc()
+        ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
+        return
     for r in records:
         print(json.dumps({"fp8_gemm": r}), flush=True)
     summary = best(records)
