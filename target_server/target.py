@@ -176,8 +176,8 @@ class TargetRunner:
         strictly increasing and inside [0, L). linear_backend: auto | torch | fla (see varlen).
         A block-wise FP8 checkpoint (target_server.fp8) is dequantized at load: the FP8 model's
         weights, in `dtype` matmuls. fp8_matmul=True runs its FP8 matmuls instead (Hopper and newer;
-        raises elsewhere): not the default while they run slower than bf16 on the H200 and outside
-        the server's audit tolerance (docs/benchmarks.md, run BC).
+        raises elsewhere): not the default until measured faster than bf16 on the H200
+        (docs/benchmarks.md, run BC).
         """
         from transformers import AutoConfig, AutoModel
 

@@ -35,6 +35,7 @@ from common.metrics import StageTimes
 from common.liveness import RoleLock
 from common.ring import ProducerRing, RingReplaced, slot_bytes
 
+from . import fp8
 from .delivery import Dispatcher, Work
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class TargetWorker(threading.Thread):
         alone = self.runner.capture_unpacked(ids).float().cpu()
         packed = hidden[:, -n:].float().cpu()
         err = float((alone - packed).abs().max() / alone.abs().max().clamp_min(1e-6))
-        if err > self.cfg.target.audit_tolerance:
+        if err > fp8.audit_tolerance(self.cfg.target.audit_tolerance, self.runner.precision):
             return AuditResult(False, f"packed != unpacked recompute (relative error {err:.3g})")
         return AuditResult(True)
 

@@ -969,7 +969,8 @@ def part_fp8(ctx: Ctx) -> str:
     dequantized weights elsewhere, as in the CPU smoke run). On the same packed batches, in turns
     (bf16 bare loop, FP8 bare loop, FP8 TargetWorker): FP8 over bf16 tok/s (the headline), P2 of
     the FP8 target (its worker over its bare loop), and the relative difference of the two targets'
-    captured planes."""
+    captured planes. First, on a GPU with FP8 matmuls, the GEMM micro-benchmark (fp8_gemm.py): each
+    GEMM path against bf16 on the 27B target's projections, one JSON line each."""
     import copy
 
     from bench.gpu.worker_harness import run_worker, worker_config
@@ -980,14 +981,19 @@ def part_fp8(ctx: Ctx) -> str:
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
     budget, max_len = manifest["token_budget"], manifest["max_len"]
+    if ctx.cuda and fp8.fp8_matmul_unavailable(ctx.device) is None:
+        _fp8_gemm_micro(ctx, budget)
     baseline = fixtures.load_runner(manifest, ctx.device, a.allow_torch_linear)
     t0 = time.perf_counter()
     runner = copy.deepcopy(baseline)
     fp8_matmul = fp8.fp8_matmul_unavailable(ctx.device) is None
     quantized = fp8.to_block_fp8(runner.model, fp8_matmul)
     runner.precision = fp8.precision(True, fp8_matmul, runner.dtype)
+    gemms = [m.gemm for m in runner.model.modules() if isinstance(m, fp8.BlockFp8Linear)]
     numbers: dict[str, Any] = {"precision": runner.precision, "baseline_precision": baseline.precision,
                                "quantized_linears": quantized, "quantize_s": time.perf_counter() - t0,
+                               "linears_by_gemm": {g: gemms.count(g) for g in sorted(set(gemms))},
+                               "cublas_block_gemm": fp8.cublas_block_gemm_unavailable(ctx.device) or "available",
                                "token_budget": budget, "batches_timed": a.p2_batches, "repeats": a.p2_repeats,
                                "weights_gb": {r.precision: sum(p.numel() * p.element_size()
                                                                for p in r.model.parameters()) / 1e9
@@ -1032,6 +1038,26 @@ def part_fp8(ctx: Ctx) -> str:
                         numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "measured"
+
+
+def _fp8_gemm_micro(ctx: Ctx, budget: int) -> None:
+    """P8's GEMM micro-benchmark (bench/gpu/fp8_gemm.py) at a batch's tokens and a quarter of them;
+    a failure is logged and recorded, and P8 runs on."""
+    from bench.gpu.fp8_gemm import best, compare
+
+    try:
+        records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
+    except Exception as e:
+        traceback.print_exc()
+        ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
+        return
+    for r in records:
+        print(json.dumps({"fp8_gemm": r}), flush=True)
+    summary = best(records)
+    print(json.dumps({"fp8_gemm_summary": summary}), flush=True)
+    ctx.store.figures("fp8", gemm=records, gemm_summary=summary)
+
+
 class P2Rig:
     """P2's two rates over the same batches (seqs of `packer`): the bare `runner.capture` loop, and
     the real TargetWorker serving them into a ring whose consumer acks at once (worker_harness).
