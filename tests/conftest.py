@@ -97,6 +97,18 @@ def cxx_compiler() -> str:
         pytest.skip(why)
 
 
+# The suite's longest test (minutes: two drafter trainings through the services). In collection
+# order it came among the last, and ran alone while the other xdist worker sat idle. Started first,
+# it runs beside the rest: `--dist load` hands each worker its first chunk and the rest on demand,
+# so the other worker takes the remaining tests meanwhile. Every other test keeps its order (moving
+# all the slow ones to the front made two long chunks that the workers could not share).
+LONGEST_FIRST = ("test_tau_ci.py",)   # module file names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the same on every worker
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     e2e = sys.modules.get("e2e")   # imported only by the tests that start services
     if e2e is not None:

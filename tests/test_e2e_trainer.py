@@ -254,14 +254,19 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path, ring_name: str) -> None:
     out = tmp_path / "demo-run"
     sockets = tmp_path / "s"   # not the default private folder: another run of this user's may be using it
+    # The demo's own config, on its first 600 chats: ~20 steps instead of 65, still past a held-out
+    # eval (every 10 steps), several logged points for the plot and the export (the full 2,000 are
+    # the same path three times longer; test_demo runs the demo on small configs too)
+    rows = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:600]
+    (tmp_path / "chat.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
     # nor the demo's ring: another demo on this host holds ring dfpipe-demo (the demo would say so and stop)
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
-                          "--set", f"ring.name={ring_name}",
+                          "--set", f"data.train_path={tmp_path / 'chat.jsonl'}", "--set", f"ring.name={ring_name}",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert re.search(r"trained              samples 2,000/2,000 \(0 duplicated\), documents ([\d,]+)/\1 "
+    assert re.search(r"trained              samples 600/600 \(0 duplicated\), documents ([\d,]+)/\1 "
                      r"\(0 duplicated\)", res.stdout), res.stdout[-3000:]
     assert "held-out eval        step " in res.stdout and " on 2 held-out batches" in res.stdout
     assert "/dev/shm left over   none" in res.stdout

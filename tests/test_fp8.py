@@ -18,7 +18,7 @@ from drafter_trainer import fp8
 from drafter_trainer.blocks import build_blocks, sample_anchors
 from drafter_trainer.loss import dflash_loss
 from drafter_trainer.model import DFlashDraftModel
-from test_drafter_model import MASK, make_batch, make_model
+from test_drafter_model import MASK, make_batch, make_model, tiny_config
 from tolerances import C, assert_close, eps
 
 E4M3_U = eps(fp8.E4M3) / 2          # unit roundoff of e4m3: 3 mantissa bits, 2^-4
@@ -114,9 +114,8 @@ def test_precision_fp8_on_a_cpu_is_refused_naming_the_setting() -> None:
         fp8.resolve_precision("fp4", cpu)
 
 
-def _tiny_drafter(precision: str) -> DFlashDraftModel:
-    model = make_model(std=0.05, precision=precision)
-    return model
+def _tiny_drafter(precision: str, layers: int = 2) -> DFlashDraftModel:
+    return make_model(tiny_config(num_hidden_layers=layers), std=0.05, precision=precision)
 
 
 def test_the_loss_head_runs_its_two_matmuls_in_fp8() -> None:
@@ -241,8 +240,9 @@ def test_a_compiled_fp8_drafter_traces_every_linear_and_follows_the_eager_one() 
     graph next to the others (a float global in the quantization once made the second one fail to
     trace). Two context lengths: the graphs are reused, not retraced per shape. The compiled
     quantization may round a value on the other side of an e4m3 boundary than eager does, so the
-    two agree to FP8's own bound, not to fp32's."""
-    eager, compiled = _tiny_drafter("fp8-emulated"), _tiny_drafter("fp8-emulated")
+    two agree to FP8's own bound, not to fp32's. One layer holds all seven FP8 linears; a second
+    layer is the same graph traced again (half this test's CPU time)."""
+    eager, compiled = _tiny_drafter("fp8-emulated", layers=1), _tiny_drafter("fp8-emulated", layers=1)
     assert compiled.compile_for("cpu", "on")
     layers = compiled.config.num_hidden_layers
     for docs in ([40, 9, 56], [30, 70]):

@@ -187,7 +187,8 @@ class Host:
 def servers(tmp_path_factory: pytest.TempPathFactory):
     """Two hosts' target servers, serving for the whole module (as they would: long-lived)."""
     tmp = tmp_path_factory.mktemp("hosts")
-    config = write_config(tmp, samples=120, train={"epochs": 4, "checkpoint_every": 3},
+    # two epochs: every host's shard crosses an epoch boundary (more epochs only repeat it)
+    config = write_config(tmp, samples=120, train={"epochs": 2, "checkpoint_every": 3},
                           cluster={"num_hosts": HOSTS})
     hosts = [Host(h, config, tmp) for h in range(HOSTS)]
     try:

@@ -87,6 +87,7 @@ QUICK: dict[str, Any] = dict(
     median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p2_repeats=2, p3_docs=24,
     p5_tokens=256, p5_anchors=16, anchors=32, p5d_batches=2, p5d_chunks="0,8", p5d_steps=2, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
+    drafter_layers=2,   # two layers keep the layer-to-layer path; each more one only costs CI's CPU time
     p5_compile="off",   # an inductor compile costs ~30 s of CI's two cores; tests/test_drafter_compile.py checks it
     p5d_other_precision="fp8-emulated",   # the CPU has no FP8 matmuls: the P5f plumbing runs on the emulation
     long_budget=512, long_doc=512, long_short_doc=128, long_batches=2, long_p2_batches=2, long_p2_repeats=1,
