@@ -187,13 +187,14 @@ def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: l
         runs[name] = {"precision": precision, "seed": seed, "heldout_loss": round(tt.final_heldout_loss(run), 5),
                       "tau": round(report.tau, 3), "lossless": report.lossless, "train_seconds": round(train_s, 1)}
         log(f"{name}: {runs[name]}")
+    in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, "gate-bf16", "train", "export"), heldout, args.seed)
     noise = runs["bf16-next-seed"]["heldout_loss"] / runs["bf16"]["heldout_loss"] - 1
     gate = tt.fp8_gate(runs["bf16"]["heldout_loss"], runs["fp8"]["heldout_loss"], runs["bf16"]["tau"],
                        runs["fp8"]["tau"])
     result = {"date": datetime.date.today().isoformat(),
               "command": command,
               "args": vars(args), "toy_target": tt.read_report(target_dir), "drafter_recipe": asdict(recipe),
-              "epochs": epochs, "steps": steps, "runs": runs, "noise_floor": round(noise, 5),
+              "epochs": epochs, "steps": steps, "runs": runs, "noise_floor": round(noise, 5), "in_step": in_step,
               "gate": {"passed": gate.passed, "loss_rel": round(gate.loss_rel, 5), "tau_diff": round(gate.tau_diff, 3)},
               "seconds": round(time.monotonic() - t0, 1)}
     result["toy_target"].pop("loss_curve", None)
@@ -201,6 +202,72 @@ def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: l
         json.dump(result, f, indent=1)
     log(f"FP8 quality gate: {gate}; noise floor (bf16, next seed) {noise:+.2%}; {steps} steps a run")
     return 0 if all(r["lossless"] for r in runs.values()) else 1
+
+
+def fp8_in_step(target_dir: str, export_dir: str, rows: list[dict[str, Any]], seed: int) -> dict[str, dict[str, float]]:
+    """Where FP8 costs, without a training's noise: one loss and backward of a trained drafter on
+    the target's captured planes of `rows`, each variant against full precision (the compute
+    dtype): its loss's relative difference and its gradient's error (norm of the difference over
+    all weights over the reference's norm). Variants: bf16 autocast (the scale of a harmless
+    rounding), FP8 everywhere, and FP8 in one part only (fc, attention projections, MLP, the head's
+    logits, the head's input gradient), the rest exact."""
+    from types import SimpleNamespace
+
+    from common.batch import PackedBatch, document_positions
+    from common.config import default_gamma
+    from drafter_trainer import fp8
+    from drafter_trainer.blocks import build_blocks, sample_anchors
+    from drafter_trainer.export import load_drafter
+    from drafter_trainer.loss import dflash_loss
+    from drafter_trainer.model import Linear
+
+    drafter = load_drafter(export_dir, target_dir).train()
+    target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
+    planes, ids, mask, lens = [], [], [], []
+    with torch.no_grad():
+        for doc, doc_mask in tt.encode_chats(tt.load_tokenizer(target_dir), rows):
+            planes.append(target.forward(doc)[1].float())
+            ids += doc
+            mask += doc_mask
+            lens.append(len(doc))
+    doc_lens = torch.tensor(lens, dtype=torch.int32)
+    batch = PackedBatch(hidden=torch.cat(planes, 1), input_ids=torch.tensor(ids, dtype=torch.int32),
+                        loss_mask=torch.tensor(mask, dtype=torch.uint8),
+                        position_ids=document_positions(doc_lens).to(torch.int32), doc_lens=doc_lens,
+                        sample_ids=torch.arange(len(lens)), doc_ids=torch.arange(len(lens)))
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, 512, torch.Generator().manual_seed(seed))
+    blocks = build_blocks(batch, anchors, drafter.config.block_size, drafter.config.mask_token_id,
+                          default_gamma(drafter.config.block_size))
+    weight = drafter.lm_head.weight
+    exact, quantized = fp8.HeadMatmuls(weight, "bf16"), fp8.HeadMatmuls(weight, "fp8-emulated")
+    linears = {name: m for name, m in drafter.named_modules() if isinstance(m, Linear)}
+    parts = {"fc": lambda n: n == "fc", "attention": lambda n: ".self_attn." in n, "mlp": lambda n: ".mlp." in n}
+
+    def step(fp8_linears: Any, logits_fp8: bool, grad_fp8: bool, autocast: bool = False) -> tuple[float, torch.Tensor]:
+        for name, module in linears.items():
+            module.precision = "fp8-emulated" if fp8_linears(name) else "bf16"
+        head = SimpleNamespace(logits=(quantized if logits_fp8 else exact).logits, fp8=True, emulate=True,
+                               grad_input=(quantized if grad_fp8 else exact).grad_input)
+        drafter.head_matmuls = lambda: head
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = dflash_loss(drafter, batch, blocks, chunk=1024, backward=True)
+        return float(out.loss), torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
+
+    def none(_name: str) -> bool:
+        return False
+
+    ref_loss, ref_grad = step(none, False, False)
+    variants = {"bf16 autocast": (none, False, False, True), "fp8 everywhere": (lambda n: True, True, True, False),
+                **{f"fp8 {part} only": (match, False, False, False) for part, match in parts.items()},
+                "fp8 head logits only": (none, True, False, False), "fp8 head gradient only": (none, False, True, False)}
+    result = {}
+    for name, args in variants.items():
+        loss, grad = step(*args)
+        result[name] = {"loss_rel": round(loss / ref_loss - 1, 5),
+                        "grad_rel_err": round(float((grad - ref_grad).norm() / ref_grad.norm()), 4)}
+        log(f"in-step {name}: loss {result[name]['loss_rel']:+.3%}, gradient error {result[name]['grad_rel_err']:.4f}")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
