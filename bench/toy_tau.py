@@ -18,6 +18,11 @@ The full procedure, each stage cached under --cache-dir so a rerun skips what it
 
 Writes bench/out/toy_tau.json, bench/out/toy_tau.png (tau vs steps) and the final drafter export
 under the cache dir, and prints a markdown table for docs/benchmarks.md.
+
+With --gate it runs the FP8 quality gate instead of stage 3-4's curve: three trainings through both
+services (bf16, fp8-emulated with the same seed and batches, bf16 with the next seed: the noise
+floor), each drafter's final held-out loss (the trainer's eval of --gate-heldout rows) and tau, and
+FP8's cost per part in one step without training noise -> bench/out/fp8_gate.json.
 """
 from __future__ import annotations
 
