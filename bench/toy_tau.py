@@ -18,6 +18,11 @@ The full procedure, each stage cached under --cache-dir so a rerun skips what it
 
 Writes bench/out/toy_tau.json, bench/out/toy_tau.png (tau vs steps) and the final drafter export
 under the cache dir, and prints a markdown table for docs/benchmarks.md.
+
+With --gate it runs the FP8 quality gate instead of stage 3-4's curve: three trainings through both
+services (bf16, fp8-emulated with the same seed and batches, bf16 with the next seed: the noise
+floor), each drafter's final held-out loss (the trainer's eval of --gate-heldout rows) and tau, and
+FP8's cost per part in one step without training noise -> bench/out/fp8_gate.json.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,26 +57,26 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def toy_target_dir(cache: str, minutes: float, seed: int) -> str:
-    path = os.path.join(cache, f"toy-target-s{seed}-m{minutes:g}")
+def toy_target_dir(cache: str, minutes: float, seed: int, steps: int | None = None) -> str:
+    path = os.path.join(cache, f"toy-target-s{seed}-m{minutes:g}" + (f"-n{steps}" if steps else ""))
     if tt.read_report(path) is None:
-        log(f"making the toy target in {path} ({minutes:g} min budget)")
-        tt.make_toy_target(path, minutes=minutes, seed=seed, progress=log)
+        log(f"making the toy target in {path} ({minutes:g} min budget" + (f", {steps} steps)" if steps else ")"))
+        tt.make_toy_target(path, minutes=minutes, seed=seed, steps=steps, progress=log)
     report = tt.read_report(path)
     log(f"toy target {path}: {report['steps']} steps, held-out loss {report['heldout_loss']}, token accuracy "
         f"{report['heldout_token_accuracy']}, greedy exact match {report['heldout_exact_match']}")
     return path
 
 
-def drafter_data(cache: str, target_dir: str, n: int, seed: int) -> tuple[list[dict[str, Any]], str]:
-    """The first n training prompts answered by the target (cached as chat JSONL)."""
+def answered_data(cache: str, target_dir: str, name: str, prompts: list[toy_corpus.Sample],
+                  max_new_tokens: int = 192) -> tuple[list[dict[str, Any]], str]:
+    """`prompts` answered by the target (greedy), cached as chat JSONL named after the target and `name`."""
     with open(os.path.join(target_dir, "model.safetensors"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    path = os.path.join(cache, f"drafter-data-{digest}-n{n}-s{seed}.jsonl")
+    path = os.path.join(cache, f"{name}-{digest}-t{max_new_tokens}.jsonl")
     if not os.path.isfile(path):
-        log(f"answering {n} corpus prompts with the target -> {path}")
-        samples = tt.regenerate_answers(target_dir, [toy_corpus.sample(seed, i) for i in range(n)])
-        toy_corpus.write_jsonl(samples, path)
+        log(f"answering {len(prompts)} corpus prompts with the target -> {path}")
+        toy_corpus.write_jsonl(tt.regenerate_answers(target_dir, prompts, max_new_tokens=max_new_tokens), path)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f], path
 
@@ -101,23 +106,25 @@ def plot(points: list[dict[str, Any]], block_size: int, png: str) -> bool:
     return True
 
 
+def whole_epochs(steps: int, target_dir: str, samples: list[dict[str, Any]], recipe: tt.DrafterRecipe,
+                 seed: int) -> tuple[int, int]:
+    """(epochs, batches of epoch 0) for about `steps` steps: whole epochs, so the trainer's cosine
+    schedule (a function of planned batches) runs to its end."""
+    batches_per_epoch = tt.planned_steps(target_dir, samples, recipe, 1, seed)
+    return max(1, round(steps / batches_per_epoch)), batches_per_epoch
+
+
 def train_through_services(args: argparse.Namespace, target_dir: str, data_path: str,
                            samples: list[dict[str, Any]], recipe: tt.DrafterRecipe
                            ) -> list[tuple[int, str, float, float]]:
     """Both services on the toy target (`tt.train_drafter_through_services`), a checkpoint every
     --eval-every steps, each exported; (step, export, implied tau, loss) per checkpoint, the
     implied tau and loss being the trainer's logged values at the nearest logged step."""
-    import numpy as np
-
     from common.config import load_config
     from dfpipe.export_cmd import export_checkpoint
     from drafter_trainer.checkpoint import list_checkpoints, read_meta
-    from target_server.packer import Packer
 
-    # Whole epochs, so the trainer's cosine schedule (a function of planned batches) runs to its end.
-    lengths = np.array([len(ids) for ids, _ in tt.encode_chats(tt.load_tokenizer(target_dir), samples)])
-    batches_per_epoch = Packer(lengths, recipe.token_budget, args.seed).epoch_size(0)
-    epochs = max(1, round(args.steps / batches_per_epoch))
+    epochs, batches_per_epoch = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
     run = os.path.join(args.cache_dir, f"services-run-a{recipe.max_anchors}")
     shutil.rmtree(run, ignore_errors=True)
     log(f"two-service training in {run}: {epochs} epochs of {batches_per_epoch} batches "
@@ -144,6 +151,130 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
     return exports
 
 
+def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: list[dict[str, Any]],
+             data_path: str) -> int:
+    """Issue 32's FP8 quality gate through both services: bf16 (the compute dtype) and fp8-emulated
+    with the same seed, data and batches, and bf16 with the next seed, whose distance from the
+    first is the noise floor the gate's 1% must stand well above. Each run's final held-out loss
+    (the trainer's eval on --gate-heldout rows, fixed anchors) and tau (decoded, lossless check)."""
+    from drafter_trainer.export import load_drafter
+
+    t0 = time.monotonic()
+    heldout_prompts = tt.heldout_samples(args.seed, args.eval_prompts + args.gate_heldout)
+    heldout, heldout_path = answered_data(args.cache_dir, target_dir, f"gate-heldout-n{args.gate_heldout}-s{args.seed}",
+                                    heldout_prompts[args.eval_prompts:])
+    tokenizer = tt.load_tokenizer(target_dir)
+    prompts_file = os.path.join(args.out, "toy_tau_prompts.jsonl")
+    toy_corpus.write_jsonl(heldout_prompts[:args.eval_prompts], prompts_file)
+    prompts = ev.load_prompts(prompts_file, tokenizer)
+    recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr,
+                              max_anchors=args.anchors)
+    epochs, _ = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
+    steps = tt.planned_steps(target_dir, samples, recipe, epochs, args.seed)
+    heldout_batches = tt.planned_steps(target_dir, heldout, recipe, 1, args.seed)    # all of them, every eval
+    references: dict[int, ev.GreedyOutput] = {}
+    target: ev.TargetModel | None = None
+    runs: dict[str, dict[str, Any]] = {}
+    for name, precision, seed in (("bf16", "bf16", args.seed), ("bf16-next-seed", "bf16", args.seed + 1),
+                                  ("fp8", "fp8-emulated", args.seed)):
+        run = os.path.join(args.cache_dir, f"gate-{name}")
+        shutil.rmtree(run, ignore_errors=True)
+        t = time.monotonic()
+        tt.train_drafter_through_services(target_dir, data_path, run, replace(recipe, precision=precision),
+                                          epochs, seed=seed, heldout_path=heldout_path, eval_every=steps,
+                                          eval_batches=heldout_batches, compute_dtype=args.compute_dtype)
+        train_s = time.monotonic() - t
+        drafter = load_drafter(os.path.join(run, "train", "export"), target_dir)
+        if target is None:
+            target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
+        report = ev.evaluate(target, drafter, prompts, args.max_new_tokens, ev.stop_token_ids(tokenizer),
+                             references=references)
+        runs[name] = {"precision": precision, "seed": seed, "heldout_loss": round(tt.final_heldout_loss(run), 5),
+                      "tau": round(report.tau, 3), "lossless": report.lossless, "train_seconds": round(train_s, 1)}
+        log(f"{name}: {runs[name]}")
+    in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, "gate-bf16", "train", "export"), heldout, args.seed)
+    noise = runs["bf16-next-seed"]["heldout_loss"] / runs["bf16"]["heldout_loss"] - 1
+    gate = tt.fp8_gate(runs["bf16"]["heldout_loss"], runs["fp8"]["heldout_loss"], runs["bf16"]["tau"],
+                       runs["fp8"]["tau"])
+    result = {"date": datetime.date.today().isoformat(),
+              "command": command,
+              "args": vars(args), "toy_target": tt.read_report(target_dir), "drafter_recipe": asdict(recipe),
+              "epochs": epochs, "steps": steps, "runs": runs, "noise_floor": round(noise, 5), "in_step": in_step,
+              "gate": {"passed": gate.passed, "loss_rel": round(gate.loss_rel, 5), "tau_diff": round(gate.tau_diff, 3)},
+              "seconds": round(time.monotonic() - t0, 1)}
+    result["toy_target"].pop("loss_curve", None)
+    with open(os.path.join(args.out, "fp8_gate.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    log(f"FP8 quality gate: {gate}; noise floor (bf16, next seed) {noise:+.2%}; {steps} steps a run")
+    return 0 if all(r["lossless"] for r in runs.values()) else 1
+
+
+def fp8_in_step(target_dir: str, export_dir: str, rows: list[dict[str, Any]], seed: int) -> dict[str, dict[str, float]]:
+    """Where FP8 costs, without a training's noise: one loss and backward of a trained drafter on
+    the target's captured planes of `rows`, each variant against full precision (the compute
+    dtype): its loss's relative difference and its gradient's error (norm of the difference over
+    all weights over the reference's norm). Variants: bf16 autocast (the scale of a harmless
+    rounding), FP8 everywhere, and FP8 in one part only (fc, attention projections, MLP, the head's
+    logits, the head's input gradient), the rest exact."""
+    from types import SimpleNamespace
+
+    from common.batch import PackedBatch, document_positions
+    from common.config import default_gamma
+    from drafter_trainer import fp8
+    from drafter_trainer.blocks import build_blocks, sample_anchors
+    from drafter_trainer.export import load_drafter
+    from drafter_trainer.loss import dflash_loss
+    from drafter_trainer.model import Linear
+
+    drafter = load_drafter(export_dir, target_dir).train()
+    target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
+    planes, ids, mask, lens = [], [], [], []
+    with torch.no_grad():
+        for doc, doc_mask in tt.encode_chats(tt.load_tokenizer(target_dir), rows):
+            planes.append(target.forward(doc)[1].float())
+            ids += doc
+            mask += doc_mask
+            lens.append(len(doc))
+    doc_lens = torch.tensor(lens, dtype=torch.int32)
+    batch = PackedBatch(hidden=torch.cat(planes, 1), input_ids=torch.tensor(ids, dtype=torch.int32),
+                        loss_mask=torch.tensor(mask, dtype=torch.uint8),
+                        position_ids=document_positions(doc_lens).to(torch.int32), doc_lens=doc_lens,
+                        sample_ids=torch.arange(len(lens)), doc_ids=torch.arange(len(lens)))
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, 512, torch.Generator().manual_seed(seed))
+    blocks = build_blocks(batch, anchors, drafter.config.block_size, drafter.config.mask_token_id,
+                          default_gamma(drafter.config.block_size))
+    weight = drafter.lm_head.weight
+    exact, quantized = fp8.HeadMatmuls(weight, "bf16"), fp8.HeadMatmuls(weight, "fp8-emulated")
+    linears = {name: m for name, m in drafter.named_modules() if isinstance(m, Linear)}
+    parts = {"fc": lambda n: n == "fc", "attention": lambda n: ".self_attn." in n, "mlp": lambda n: ".mlp." in n}
+
+    def step(fp8_linears: Any, logits_fp8: bool, grad_fp8: bool, autocast: bool = False) -> tuple[float, torch.Tensor]:
+        for name, module in linears.items():
+            module.precision = "fp8-emulated" if fp8_linears(name) else "bf16"
+        head = SimpleNamespace(logits=(quantized if logits_fp8 else exact).logits, fp8=True, emulate=True,
+                               grad_input=(quantized if grad_fp8 else exact).grad_input)
+        drafter.head_matmuls = lambda: head
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = dflash_loss(drafter, batch, blocks, chunk=1024, backward=True)
+        return float(out.loss), torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
+
+    def none(_name: str) -> bool:
+        return False
+
+    ref_loss, ref_grad = step(none, False, False)
+    variants = {"bf16 autocast": (none, False, False, True), "fp8 everywhere": (lambda n: True, True, True, False),
+                **{f"fp8 {part} only": (match, False, False, False) for part, match in parts.items()},
+                "fp8 head logits only": (none, True, False, False), "fp8 head gradient only": (none, False, True, False)}
+    result = {}
+    for name, args in variants.items():
+        loss, grad = step(*args)
+        result[name] = {"loss_rel": round(loss / ref_loss - 1, 5),
+                        "grad_rel_err": round(float((grad - ref_grad).norm() / ref_grad.norm()), 4)}
+        log(f"in-step {name}: loss {result[name]['loss_rel']:+.3%}, gradient error {result[name]['grad_rel_err']:.4f}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache-dir", default=os.path.join(REPO, ".cache", "dfpipe", "toy-tau"))
@@ -161,13 +292,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--anchors", type=int, default=512,
                     help="drafter.max_anchors: anchors per document (512: the published recipe)")
+    ap.add_argument("--target-steps", type=int, default=None,
+                    help="toy target steps: a schedule of the step alone, reproducible (default: the time budget's)")
+    ap.add_argument("--gate", action="store_true",
+                    help="instead of the tau curve: the FP8 quality gate (fp8-emulated against bf16, and bf16 "
+                         "with the next seed for the noise floor) -> bench/out/fp8_gate.json")
+    ap.add_argument("--gate-heldout", type=int, default=64, help="held-out rows the gate's loss is measured on")
+    ap.add_argument("--compute-dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="the target's dtype and the trainer's compute dtype (auto: fp32 on a CPU)")
     args = ap.parse_args(argv)
     os.makedirs(args.cache_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.monotonic()
 
-    target_dir = toy_target_dir(args.cache_dir, args.minutes, args.seed)
-    samples, data_path = drafter_data(args.cache_dir, target_dir, args.train_samples, args.seed)
+    target_dir = toy_target_dir(args.cache_dir, args.minutes, args.seed, args.target_steps)
+    samples, data_path = answered_data(args.cache_dir, target_dir, f"drafter-data-n{args.train_samples}-s{args.seed}",
+                                       [toy_corpus.sample(args.seed, i) for i in range(args.train_samples)])
+    command = "python bench/toy_tau.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.gate:
+        return fp8_gate(args, command, target_dir, samples, data_path)
     t_data = time.monotonic()
 
     tokenizer = tt.load_tokenizer(target_dir)
@@ -212,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}, "
                    f"{'cuda' if torch.cuda.is_available() else 'cpu'}",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "command": "python bench/toy_tau.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "args": vars(args),
         "toy_target": tt.read_report(target_dir),
         "drafter_recipe": asdict(recipe),

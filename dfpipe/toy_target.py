@@ -466,6 +466,7 @@ target:
   cache_dir: {run}/cache
   devices: [cpu]
   audit_every: 0
+  dtype: {compute_dtype}
 drafter:
   num_layers: {layers}
   block_size: {block}
@@ -481,7 +482,8 @@ train:
   keep_checkpoints: 1000
   log_every: 5
   eval_every: {eval_every}
-  eval_batches: 2
+  eval_batches: {eval_batches}
+  compute_dtype: {compute_dtype}
   seed: {seed}
   tensorboard: false
 service:
@@ -495,14 +497,16 @@ service:
 
 def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str, recipe: DrafterRecipe,
                                    epochs: int, seed: int = 0, checkpoint_every: int = 0, heldout_path: str = "",
-                                   eval_every: int = 5) -> str:
+                                   eval_every: int = 5, eval_batches: int = 2, compute_dtype: str = "auto") -> str:
     """Train a drafter for the toy target on the chat file `data_path` through both services, the
     path users run (`dfpipe demo`: target server -> /dev/shm ring -> trainer), `epochs` whole
     epochs (the learning-rate schedule runs to its end). Returns the config it wrote; the run's
     checkpoints are in `<run_dir>/train` (every `checkpoint_every` steps; 0: only the final
     one) and the final drafter in `<run_dir>/train/export`. With `heldout_path` the trainer
-    evaluates on its first two batches every `eval_every` steps (`eval_loss`, `eval_tau` records in
-    `<run_dir>/train/metrics.jsonl`). Raises RuntimeError if the run fails.
+    evaluates on its first `eval_batches` batches every `eval_every` steps (`eval_loss`, `eval_tau`
+    records in `<run_dir>/train/metrics.jsonl`, `final_heldout_loss`). `compute_dtype` is both the
+    target's dtype and the trainer's autocast dtype (auto: bf16 on a GPU, fp32 on a CPU; bf16 on
+    a CPU runs the GPU's dtypes about 5x slower). Raises RuntimeError if the run fails.
     """
     from dfpipe.demo import run_demo
 
@@ -516,7 +520,8 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             block=recipe.block_size, anchors=recipe.max_anchors, epochs=epochs, lr=recipe.lr,
             warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
             every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision,
-            heldout=os.path.abspath(heldout_path) if heldout_path else "", eval_every=eval_every if heldout_path else 0))
+            heldout=os.path.abspath(heldout_path) if heldout_path else "", eval_every=eval_every if heldout_path else 0,
+            eval_batches=eval_batches, compute_dtype=compute_dtype))
     try:
         rc = run_demo(config, fresh=True)   # a whole training, never one continued
     finally:
@@ -524,6 +529,55 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
     if rc != 0:
         raise RuntimeError(f"training through the services failed (exit {rc}); logs in {run_dir}/train/logs")
     return config
+
+
+def planned_steps(target_dir: str, samples: list[toy_corpus.Sample], recipe: DrafterRecipe, epochs: int,
+                  seed: int = 0) -> int:
+    """The optimizer steps `train_drafter_through_services` runs on `samples`: the target server's
+    packer's batches over `epochs` epochs (one step a batch on one rank)."""
+    import numpy as np
+
+    from target_server.packer import Packer
+
+    lengths = np.array([len(ids) for ids, _ in encode_chats(load_tokenizer(target_dir), samples)])
+    return sum(Packer(lengths, recipe.token_budget, seed).epoch_sizes(epochs))
+
+
+def final_heldout_loss(run_dir: str) -> float:
+    """The last held-out loss the trainer of `train_drafter_through_services(run_dir=...)` recorded:
+    the same held-out batches and anchors in every run, unlike a training step's loss, which depends
+    on the batch the ring delivered at that step."""
+    path = os.path.join(run_dir, "train", "metrics.jsonl")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    if not evals:
+        raise RuntimeError(f"no held-out eval in {path} (train_drafter_through_services needs heldout_path)")
+    return float(evals[-1])
+
+
+# Issue 32's FP8 quality gate: on the toy target through both services, the same seed and batches,
+# FP8's final held-out loss within 1% (relative) of bf16's and its tau no worse than bf16's - 0.1.
+GATE_LOSS_REL = 0.01
+GATE_TAU_DROP = 0.1
+
+
+@dataclass(frozen=True)
+class Fp8Gate:
+    """FP8 against bf16 on the quality gate: relative held-out loss difference, tau difference."""
+    loss_rel: float             # fp8's final held-out loss / bf16's - 1
+    tau_diff: float             # fp8's tau - bf16's
+
+    @property
+    def passed(self) -> bool:
+        return abs(self.loss_rel) <= GATE_LOSS_REL and self.tau_diff >= -GATE_TAU_DROP
+
+    def __str__(self) -> str:
+        return f"{'pass' if self.passed else 'miss'} (loss {self.loss_rel:+.2%}, tau {self.tau_diff:+.3f})"
+
+
+def fp8_gate(loss_bf16: float, loss_fp8: float, tau_bf16: float, tau_fp8: float) -> Fp8Gate:
+    return Fp8Gate(loss_rel=loss_fp8 / loss_bf16 - 1, tau_diff=tau_fp8 - tau_bf16)
 
 
 def untrained_drafter(target_dir: str, recipe: DrafterRecipe, seed: int = 0) -> Any:

@@ -97,7 +97,8 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
 @dataclass(frozen=True)
 class StepSettings:
     """The step's knobs (drafter.loss_chunk, drafter.blocks_per_chunk, train.grad_clip) and its
-    autocast dtype (bf16 on CUDA unless train.compute_dtype says fp32; fp32 elsewhere)."""
+    autocast dtype (bf16 on CUDA unless train.compute_dtype says fp32; elsewhere fp32 unless it
+    says bf16, as the CPU's FP8 quality gate runs to compare with the GPU's bf16)."""
 
     loss_chunk: int = 1024
     blocks_per_chunk: int = 0
@@ -106,7 +107,8 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, cfg: Config, device: torch.device) -> "StepSettings":
-        bf16 = device.type == "cuda" and cfg.train.compute_dtype != "fp32"
+        wanted = cfg.train.compute_dtype
+        bf16 = wanted == "bf16" or (device.type == "cuda" and wanted != "fp32")
         return cls(loss_chunk=cfg.drafter.loss_chunk, blocks_per_chunk=cfg.drafter.blocks_per_chunk,
                    grad_clip=cfg.train.grad_clip, compute_dtype=torch.bfloat16 if bf16 else torch.float32)
 

@@ -304,3 +304,19 @@ def test_held_out_eval_runs_the_drafter_as_served_and_training_resumes_in_fp8() 
     with pytest.raises(RuntimeError), model.as_served():
         raise RuntimeError("an eval that fails")
     assert model.precision == "fp8-emulated"
+
+
+def test_compute_dtype_bf16_runs_the_cpu_step_in_bf16_as_the_gpu_does() -> None:
+    """The CPU's FP8 quality gate can compare FP8 with the GPU's compute dtype: train.compute_dtype
+    bf16 is honoured on a CPU (auto stays fp32 there, bf16 on CUDA unless fp32 is asked for)."""
+    from common.config import Config
+    from drafter_trainer.step import StepSettings
+
+    cfg = Config()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert StepSettings.from_config(cfg, cpu).compute_dtype == torch.float32
+    assert StepSettings.from_config(cfg, cuda).compute_dtype == torch.bfloat16
+    cfg.train.compute_dtype = "bf16"
+    assert StepSettings.from_config(cfg, cpu).compute_dtype == torch.bfloat16
+    cfg.train.compute_dtype = "fp32"
+    assert StepSettings.from_config(cfg, cuda).compute_dtype == torch.float32
