@@ -174,10 +174,11 @@ class TargetRunner:
 
         layer_ids default to common.config.default_layer_ids(L, num_capture_layers); they must be
         strictly increasing and inside [0, L). linear_backend: auto | torch | fla (see varlen).
-        A block-wise FP8 checkpoint (target_server.fp8) is dequantized at load: the FP8 model's
-        weights, in `dtype` matmuls. fp8_matmul=True runs its FP8 matmuls instead (Hopper and newer;
-        raises elsewhere): not the default until measured faster than bf16 on the H200
-        (docs/benchmarks.md, run BC).
+        A block-wise FP8 checkpoint (target_server.fp8) runs its FP8 matmuls where cuBLAS's
+        block-scaled FP8 GEMM runs (Hopper, bf16; measured 1.45x bf16's matmuls at the 27B shapes,
+        docs/benchmarks.md) and is dequantized at load elsewhere: the FP8 model's weights in `dtype`
+        matmuls. fp8_matmul=True asks for FP8 matmuls wherever they can run (Triton's GEMM where
+        cuBLAS's cannot; raises where none can), False always dequantizes.
         """
         from transformers import AutoConfig, AutoModel
 
@@ -214,6 +215,8 @@ class TargetRunner:
         unavailable = fp8.fp8_matmul_unavailable(dev)
         if fp8_format is not None and fp8_matmul and unavailable:
             raise RuntimeError(f"FP8 matmuls cannot run on {dev}: {unavailable}")
+        if fp8_matmul is None:
+            fp8_matmul = torch_dtype == torch.bfloat16 and fp8.cublas_block_gemm_unavailable(dev) is None
         use_fp8 = fp8_format is not None and bool(fp8_matmul)
         impl = varlen.register_packed_attention()
         with torch.device("meta"):
@@ -223,7 +226,7 @@ class TargetRunner:
         if fp8_format is not None and not use_fp8:
             log.info("target %s: block-wise FP8 checkpoint, %d weights dequantized to %s at load (%s): the FP8 "
                      "model's weights, activations not quantized", path, quantized, torch_dtype,
-                     unavailable or "FP8 matmuls are opt-in")
+                     unavailable or "cuBLAS has no block-scaled FP8 GEMM here")
         # Non-persistent buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild on device.
         with torch.device(dev):
             model.rotary_emb = type(model.rotary_emb)(config=model.config)
