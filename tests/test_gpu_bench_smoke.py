@@ -75,6 +75,10 @@ def test_the_other_benchmark_parts_and_scripts_run_at_quick_sizes(tmp_path: Path
     for key in ("P2L", "P5dL"):
         bench = results["benchmarks"][key]
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
+    # P5dL steps the trainer's default precision, then the other one on the same batches
+    p5dl = results["benchmarks"]["P5dL"]["numbers"]
+    assert p5dl["precision"] == "bf16" and p5dl["other_precision"]["precision"] == "fp8-emulated"
+    assert p5dl["other_precision"]["tok_s"] > 0 and long["split_other_precision"]["best"]["target_gpus"] >= 1
 
     # the FP8 target part (not in the default run: BENCH_PARTS="env fp8") on the same fixtures; no
     # FP8 matmuls on the CPU, so its quantized weights run dequantized

@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks-per-chunk", type=int, default=512)
     p.add_argument("--segment-rows", type=int, default=1024, help="flex-seg and the split paths")
     p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--data-dir", default="", help="another prepared dataset (the long part's long-data) in place of the fixtures'")
+    p.add_argument("--token-budget", type=int, default=0, help="with --data-dir: its batches' token budget")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     device = torch.device(a.device)
     manifest = fixtures.read_manifest(a.workdir)
+    if a.data_dir:
+        manifest = {**manifest, "data_dir": a.data_dir, "token_budget": a.token_budget or manifest["token_budget"],
+                    "max_len": a.token_budget or manifest["max_len"]}
     layouts, config = chunk_layouts(manifest, device, a.batches, a.blocks_per_chunk, a.anchors, a.block, a.seed,
                                     a.segment_rows)
     print(json.dumps({"chunks": len(layouts), "queries": sum(x.num_queries for x in layouts),
@@ -263,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                       "context_keys_mean": sum(x.num_context for x in layouts) / len(layouts),
                       "segments": sum(len(x.segments) for x in layouts), "heads": config.num_attention_heads,
                       "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}), flush=True)
+    # the counted FLOPs of the visible keys (bench/trainer_bench.py's attn_visible, one layer):
+    # 4 q_dim per visible key forward, twice that backward
+    from bench.trainer_bench import visible_keys
+    fwd_tflop = 4.0 * config.num_attention_heads * config.head_dim * sum(visible_keys(x.blocks, None) for x in layouts) / 1e12
     names = [n for n in a.variants.split(",") if n]
     # the split path first: the others are checked against its output
     names = sorted(names, key=lambda n: n != "split")
@@ -274,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             first = r.pop("_first")
             if name == "split":
                 reference = first
+            r["fwd_tflop_s"] = fwd_tflop / r["fwd_s"]
+            if "fwd_bwd_s" in r:
+                r["fwd_bwd_tflop_s"] = 3 * fwd_tflop / r["fwd_bwd_s"]
         except Exception as e:     # a variant that does not fit or compile leaves the others measured
             r = {"error": f"{type(e).__name__}: {e}"[:400]}
         results[name] = r

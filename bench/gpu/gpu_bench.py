@@ -794,6 +794,8 @@ def part_long(ctx: Ctx) -> str:
 
     # P5d on the long documents
     from bench.gpu.drafter_rig import DrafterRig
+    from common.config import DrafterConfig
+    from drafter_trainer.fp8 import fp8_supported, resolve_precision
     from drafter_trainer.model import resolve_attention
 
     peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
@@ -801,34 +803,60 @@ def part_long(ctx: Ctx) -> str:
                "blocks_per_chunk": a.long_chunk, "split_fc": bool(a.long_split_fc), "matmul_peak_tflops": peak}
     try:
         rig = DrafterRig(long_manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
-                         attn=a.drafter_attn or "auto", compile_mode="auto", blocks_per_chunk=a.long_chunk)
+                         attn=a.drafter_attn or "auto", compile_mode="auto", blocks_per_chunk=a.long_chunk,
+                         precision=a.p5d_precision or DrafterConfig().precision)
         rig.model.split_fc = bool(a.long_split_fc)
         rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
         work = rig.dataset_work(list(range(a.long_p5d_batches)), lazy_hidden=True)
         numbers.update(attn=rig.model.attn_impl, compiled=rig.model.compiled, batches=len(work),
                        anchors_per_batch=float(np.mean([bl.num_blocks for _, bl in work])),
                        docs_per_batch=float(np.mean([int(b.doc_lens.numel()) for b, _ in work])))
-        t0 = time.perf_counter()
-        times = rig.timed(work, max(a.p5_warmup, len(work)), a.long_p5d_steps)
-        if ctx.cuda:     # read before anything else allocates
-            numbers["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-        steps = [work[i % len(work)] for i in range(len(times))]
-        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, a.long_chunk) for b, bl in steps]
-        total_s, tokens = sum(times), sum(b.num_tokens for b, _ in steps)
-        numbers.update(
-            step_s=float(np.median(times)), step_s_all=times, first_steps_s=time.perf_counter() - t0 - total_s,
-            tok_s=tokens / total_s, anchors_s=sum(bl.num_blocks for _, bl in steps) / total_s,
-            model_tflop_per_step=float(np.mean([f["model_total"] for f in flops])) / 1e12,
-            mfu=sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
-            executed_mfu=sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
-            gflop_per_token=sum(f["model_total"] for f in flops) / tokens / 1e9,
-            flops_share={k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
-                         for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")})
+        def timed_step(precision: str) -> dict[str, Any]:
+            rig.model.precision = precision
+            if ctx.cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            times = rig.timed(work, max(a.p5_warmup, len(work)), a.long_p5d_steps)
+            out: dict[str, Any] = {"precision": precision}
+            if ctx.cuda:     # read before anything else allocates
+                out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+            steps = [work[i % len(work)] for i in range(len(times))]
+            flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, a.long_chunk) for b, bl in steps]
+            total_s, tokens = sum(times), sum(b.num_tokens for b, _ in steps)
+            out.update(
+                step_s=float(np.median(times)), step_s_all=times, first_steps_s=time.perf_counter() - t0 - total_s,
+                tok_s=tokens / total_s, anchors_s=sum(bl.num_blocks for _, bl in steps) / total_s,
+                model_tflop_per_step=float(np.mean([f["model_total"] for f in flops])) / 1e12,
+                mfu=sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
+                executed_mfu=sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
+                gflop_per_token=sum(f["model_total"] for f in flops) / tokens / 1e9,
+                flops_share={k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
+                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")})
+            return out
+
+        # the trainer's default precision, as P5d's headline; then the other one (P5f's) on the same batches
+        numbers.update(timed_step(rig.model.precision))
+        other = a.p5d_other_precision
+        if other == "fp8" and not (ctx.cuda and fp8_supported(dev.index or 0)):
+            other = ""
+        if other and resolve_precision(other, dev) != numbers["precision"]:
+            headline_precision = rig.model.precision
+            try:
+                theirs = timed_step(resolve_precision(other, dev))
+            finally:
+                rig.model.precision = headline_precision
+            numbers["other_precision"] = {k: v for k, v in theirs.items() if k != "step_s_all"}
+            print("other precision", json.dumps(numbers["other_precision"]), flush=True)
+        if ctx.cuda and a.p5_profile:   # where a long document's step spends its time
+            t0 = time.perf_counter()
+            numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=2 * a.p5_profile)
+            numbers["profile"]["wall_ms"] = (time.perf_counter() - t0) * 1e3
+            print("profile", json.dumps(numbers["profile"]), flush=True)
         p5d = ctx.store.read()["parts"].get("p5d", {}).get("figures", {})
         if p5d.get("drafter_gflop_per_token"):     # the chat-length figure of this run, beside it
             numbers["p5d_gflop_per_token"] = p5d["drafter_gflop_per_token"]
         ctx.store.benchmark("P5dL", {"mfu": numbers["mfu"], "peak_mem_gb": numbers.get("peak_mem_gb")}, numbers)
-        print(json.dumps({k: v for k, v in numbers.items() if k != "step_s_all"}, default=str), flush=True)
+        print(json.dumps({k: v for k, v in numbers.items() if k not in ("step_s_all", "profile")}, default=str), flush=True)
         del rig, work
     except Exception as e:
         traceback.print_exc()
@@ -844,6 +872,12 @@ def part_long(ctx: Ctx) -> str:
                             "depth_scale": f"{proxy_layers}/{a.real_layers_computed} layers",
                             "best": max(rows, key=lambda r: r["tok_s"]), "splits": rows}
         print("split", json.dumps(figures["split"]["best"]), flush=True)
+        theirs = numbers.get("other_precision", {}).get("tok_s")
+        if theirs:
+            figures["split_other_precision"] = {
+                "precision": numbers["other_precision"]["precision"], "drafter_tok_s_per_gpu": theirs,
+                "best": max(host_splits(per_gpu, theirs, a.p7_gpus), key=lambda r: r["tok_s"])}
+            print("split, other precision", json.dumps(figures["split_other_precision"]), flush=True)
     ctx.store.figures("long", **figures)
     if failed:
         raise RuntimeError(f"{', '.join(failed)} failed (see the log)")

@@ -75,7 +75,7 @@ cleanup_children
 read -ra PARTS <<< "${BENCH_PARTS:-env p5d p23 services p7}"  # BENCH_PARTS: the parts to run, in order
 declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-150}
                   [services]=330 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300} [fp8lib]=120
-                  [long]=150 [fp8]=150)
+                  [long]=${LONG_LIMIT:-240} [fp8]=150)
 declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=120 [p7]=5 [p23]=60 [services]=200 [scale]=60
                  [placements]=100 [fp8lib]=40 [long]=60 [fp8]=60)
 
