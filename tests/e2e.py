@@ -1,11 +1,13 @@
 """Helpers for end-to-end tests: real service processes on a tiny config, driven over ctl."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -63,8 +65,82 @@ def load(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
+class Forked:
+    """A service process forked by tests/forkserver.py: what the tests use of subprocess.Popen."""
+
+    def __init__(self, server: "ForkServer", pid: int, args: list[str]) -> None:
+        self.server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exits.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.server.ended:
+            if not self.server.ended.wait_for(lambda: self.poll() is not None, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+class ForkServer:
+    """One tests/forkserver.py per test worker, started with the first service: each service is a
+    fork of it (torch and transformers already imported) instead of a fresh interpreter."""
+
+    _one: ClassVar["ForkServer | None"] = None
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.exits: dict[int, int] = {}
+        self.ended = threading.Condition()
+        self.started: list[int] = []
+        self.lock = threading.Lock()      # one spawn at a time: answers come in request order
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "ForkServer":
+        if cls._one is None or cls._one.proc.poll() is not None:
+            cls._one = cls()
+            atexit.register(cls._one.close)
+        return cls._one
+
+    def close(self) -> None:
+        """Stdin closed, the server exits; waited for, so that its CPU time (its services' included)
+        counts in this worker's, as `time make test` reports it."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            what, *rest = line.split()
+            with self.ended:
+                if what == "started":   # a pid used again: the exit status of its earlier process goes
+                    self.exits.pop(int(rest[0]), None)
+                    self.started.append(int(rest[0]))
+                elif what == "exit":
+                    self.exits[int(rest[0])] = int(rest[1])
+                self.ended.notify_all()
+
+    def spawn(self, args: list[str], env: dict[str, str], log_path: Path) -> Forked:
+        """`python -m dfpipe ARGS` with `env`, in the current folder, stdout and stderr to log_path."""
+        with self.lock, self.ended:
+            self.proc.stdin.write(json.dumps({"argv": args, "env": env, "cwd": os.getcwd(),
+                                              "log": str(log_path)}) + "\n")
+            self.proc.stdin.flush()
+            if not self.ended.wait_for(lambda: self.started, 60):
+                raise RuntimeError(f"tests/forkserver.py did not fork (exit status {self.proc.poll()})")
+            return Forked(self, self.started.pop(0), args)
+
+
 class Service:
-    """One `dfpipe <role>` process in its own process group, logging to a file."""
+    """One `dfpipe <role>` process in its own process group, logging to a file. CPU services are
+    forks of the test worker's ForkServer; services on CUDA devices (the GPU host's run of these
+    tests) start as fresh interpreters, since CUDA does not survive a fork."""
 
     # the services started by the running test: conftest puts their logs in a failing test's report
     started: ClassVar[list["Service"]] = []
@@ -73,12 +149,16 @@ class Service:
                  overrides: list[str] | None = None) -> None:
         self.role = role
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
-        cmd = [sys.executable, "-m", "dfpipe", role, "-c", str(config)]
+        args = [role, "-c", str(config)]
         for o in overrides or []:
-            cmd += ["--set", o]
+            args += ["--set", o]
         full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
+        self.proc: subprocess.Popen | Forked
+        if any(os.environ.get(k) for k in ("DFPIPE_TEST_TARGET_DEVICES", "DFPIPE_TEST_TRAINER_DEVICE")):
+            self.proc = subprocess.Popen([sys.executable, "-m", "dfpipe", *args], stdout=open(self.log_path, "wb"),
+                                         stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        else:
+            self.proc = ForkServer.get().spawn(args, full_env, self.log_path)
         Service.started.append(self)
 
     @property

@@ -28,10 +28,10 @@ def test_short_cli_run_writes_a_loadable_hybrid_qwen35_folder(tmp_path: Any,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = str(tmp_path / "toy")
-    assert tt.main(argparse.Namespace(out=out, minutes=0.2, seed=0)) == 0
+    assert tt.main(argparse.Namespace(out=out, minutes=0.1, seed=0)) == 0
     assert "held-out loss" in capsys.readouterr().out
     report = tt.read_report(out)
-    assert report is not None and report["steps"] >= 1 and report["minutes_budget"] == 0.2
+    assert report is not None and report["steps"] >= 1 and report["minutes_budget"] == 0.1
     assert math.isfinite(report["final_train_loss"]) and math.isfinite(report["heldout_loss"])
     assert report["heldout_decoded"] >= 1
     config = json.load(open(os.path.join(out, "config.json"), encoding="utf-8"))
