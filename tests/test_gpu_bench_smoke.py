@@ -41,6 +41,17 @@ def run_quick(tmp_path: Path, parts: tuple[str, ...]) -> tuple[dict, dict, str]:
     return env, results, run_id
 
 
+def test_a_part_starts_while_the_budget_left_covers_its_own_need(tmp_path: Path) -> None:
+    """P7's projection needs ~5 s: with 14 s of the run's budget left it runs (a default run once
+    ended 10 s short of a fixed 15 s floor and printed P7 as not run). Alone, it says what it lacks."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "BENCH_PARTS": "p7", "BENCH_BUDGET_S": "14", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    p7 = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]["p7"]
+    assert p7["status"] == "skipped" and "needs p23" in p7["error"], (p7, res.stdout[-2000:])
+
+
 def test_the_headline_benchmark_parts_run_at_quick_sizes(tmp_path: Path) -> None:
     _, results, _ = run_quick(tmp_path, HEADLINE)
     figures = {p: results["parts"][p].get("figures", {}) for p in HEADLINE}

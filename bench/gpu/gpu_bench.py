@@ -648,13 +648,12 @@ def part_p7(ctx: Ctx) -> str:
     a = ctx.args
     parts = ctx.store.read()["parts"]
     p23, p5d = parts.get("p23", {}).get("figures", {}), parts.get("p5d", {}).get("figures", {})
-    manifest = fixtures.read_manifest(ctx.workdir)
-    shape = fixtures.shape_of(manifest)
-    proxy_layers = max(shape.capture_ids) + 1
     target_proxy, drafter = p23.get("target_alone_tok_s"), p5d.get("drafter_alone_tok_s")
     peak, drafter_gflop = p5d.get("matmul_peak_tflops"), p5d.get("drafter_gflop_per_token")
     if not (target_proxy and drafter and peak and drafter_gflop):
         raise SkipPart("needs p23's target rate and p5d's drafter rate, FLOPs and matmul peak from this run")
+    shape = fixtures.shape_of(fixtures.read_manifest(ctx.workdir))
+    proxy_layers = max(shape.capture_ids) + 1
     target = target_proxy * proxy_layers / a.real_layers_computed
     target_gflop = target_flops_per_token(shape, a.real_layers_computed, a.median) / 1e9
     gpus = a.p7_gpus
