@@ -19,7 +19,8 @@ from bench.gpu import fixtures
 class DrafterRig:
     def __init__(self, manifest: dict[str, Any], device: torch.device, layers: int, block: int, anchors: int,
                  loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto",
-                 blocks_per_chunk: int = 0, precision: str = "auto") -> None:
+                 blocks_per_chunk: int = 0, precision: str = "") -> None:
+        """`precision`: drafter.precision ("": the trainer's default), resolved on `device`."""
         from common.config import DrafterConfig, default_gamma
         from drafter_trainer.fp8 import resolve_precision
         from drafter_trainer.model import DFlashConfig, DFlashDraftModel
@@ -36,7 +37,8 @@ class DrafterRig:
             list(self.shape.capture_ids), self.shape.mask_token_id)
         torch.manual_seed(seed)
         with torch.device(device):  # initialised where it trains: a CPU init of ~2B parameters takes long
-            self.model = DFlashDraftModel(self.config, attn_impl=attn, precision=resolve_precision(precision, device))
+            self.model = DFlashDraftModel(self.config, attn_impl=attn,
+                                          precision=resolve_precision(precision or DrafterConfig().precision, device))
         self.model.compile_for(device, compile_mode)      # as drafter_trainer.train.build_drafter does
         head_dtype = torch.bfloat16 if self.cuda else torch.float32
         self.generator = torch.Generator(device=device).manual_seed(seed)

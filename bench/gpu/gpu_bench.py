@@ -462,11 +462,8 @@ def part_p5d(ctx: Ctx) -> str:
     if a.layer_compile_options:
         from drafter_trainer import model as drafter_model
         drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
-    from common.config import DrafterConfig
-    from drafter_trainer.fp8 import resolve_precision
-    headline_precision = resolve_precision(a.p5d_precision or DrafterConfig().precision, dev)
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
-                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=headline_precision)
+                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
     from drafter_trainer.model import resolve_attention
     rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
     work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
@@ -793,7 +790,6 @@ def part_long(ctx: Ctx) -> str:
 
     # P5d on the long documents
     from bench.gpu.drafter_rig import DrafterRig
-    from common.config import DrafterConfig
     from drafter_trainer.fp8 import fp8_supported, resolve_precision
     from drafter_trainer.model import resolve_attention
 
@@ -803,7 +799,7 @@ def part_long(ctx: Ctx) -> str:
     try:
         rig = DrafterRig(long_manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
                          attn=a.drafter_attn or "auto", compile_mode="auto", blocks_per_chunk=a.long_chunk,
-                         precision=a.p5d_precision or DrafterConfig().precision)
+                         precision=a.p5d_precision)
         rig.model.split_fc = bool(a.long_split_fc)
         rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
         work = rig.dataset_work(list(range(a.long_p5d_batches)), lazy_hidden=True)
