@@ -69,7 +69,8 @@ DEFAULT_HWM = 1000               # frames queued for sending (per peer)
 RCV_HWM = 8                      # frames libzmq queues per connection on receiving: at most ~10 MiB a peer
 MAX_DRAIN = 1000                 # frames taken per poll() so one chatty peer cannot starve a loop
 DRAIN_BYTES = 8 << 20            # bytes of frames taken per poll(): what one poll holds before decoding
-TRIM_BYTES = 64 << 20            # bytes taken after which an emptied queue gives freed memory back
+TRIM_BYTES = 16 << 20            # bytes taken after which a quiet endpoint gives freed memory back
+QUIET_S = 1.0                    # nothing taken for this long: a flood is over (`give_back_memory`)
 ENDPOINT_KEYS = "service.target_endpoint / service.trainer_endpoint"
 _UNIX_PATH_MAX = 107             # sun_path is 108 bytes including the terminating NUL
 _LOG_FIRST = 10                  # log every bad frame of a kind up to this many, then 1 in 1000
@@ -427,8 +428,8 @@ class _Channel:
         # by ProtocolError.code, or "foreign_uid" (a sender outside `peers`)
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.dropped_sends: collections.Counter[str] = collections.Counter()  # "full", "gone", "no_peer"
-        self._untrimmed = 0       # bytes taken since memory was last given back (`_give_back_memory`)
-        self._emptied = False     # the last drain found the queue empty
+        self._untrimmed = 0       # bytes taken since memory was last given back (`give_back_memory`)
+        self._last_taken = 0.0    # monotonic time of the last drain that took a frame
 
     def fileno(self) -> int:
         """ZeroMQ's notification fd (edge-triggered: after it fires, drain with poll(0))."""
@@ -444,24 +445,27 @@ class _Channel:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._emptied = True
                 break
             taken += sum(len(f) for f in frames)
             if self._trusted(frames):
                 out.append([f.bytes for f in frames])
             if taken >= DRAIN_BYTES:
                 break
-        self._untrimmed += taken
+        if taken:
+            self._untrimmed += taken
+            self._last_taken = time.monotonic()
         return out
 
-    def _give_back_memory(self) -> None:
-        """After many bytes were taken and the queue is empty again (a flood is over): glibc keeps the
-        freed frames' memory in its arenas, scattered between live blocks, so the process would stay
-        that much larger; malloc_trim hands every free page back. Never for ordinary traffic."""
-        if self._emptied and self._untrimmed >= TRIM_BYTES:
+    def give_back_memory(self) -> None:
+        """Once TRIM_BYTES were taken and nothing more for QUIET_S (a flood is over, its connections
+        closed): glibc keeps the freed frames' memory in its arenas, scattered between live blocks,
+        both ours and the frames libzmq still queued for the flooding connections and freed when
+        they closed (after our last drain), so the process would stay that much larger;
+        malloc_trim hands every free page back. A service calls this every turn of its loop,
+        traffic or not; ordinary traffic (KBs a message, pauses between) reaches it rarely."""
+        if self._untrimmed >= TRIM_BYTES and time.monotonic() - self._last_taken >= QUIET_S:
             _malloc_trim()
             self._untrimmed = 0
-        self._emptied = False
 
     def _trusted(self, frames: list[zmq.Frame]) -> bool:
         if self.peers is None:
@@ -533,7 +537,7 @@ class RouterChannel(_Channel):
             msg = self._decode(frames[1], peer)
             if msg is not None:
                 out.append((peer, msg))
-        self._give_back_memory()   # the frames are garbage by now
+        self.give_back_memory()
         return out
 
     def send(self, peer: bytes, msg: Message) -> bool:
@@ -615,7 +619,7 @@ class DealerChannel(_Channel):
             msg = self._check_frames(frames)
             if msg is not None:
                 out.append(msg)
-        self._give_back_memory()
+        self.give_back_memory()
         return out
 
     def _recv_one(self) -> Message | None:

@@ -442,6 +442,7 @@ class TargetServer:
                 if now - last_scan >= svc.rescan_s or self._wake_pull in events:
                     last_scan = now
                     self._check_ring_files()
+                    self.channel.give_back_memory()   # after a flood: see common/channel.py
                     for w in self.workers:
                         if w.ring is not None:
                             w.ring.heartbeat()

@@ -14,7 +14,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from common.channel import (DRAIN_BYTES, RCV_HWM, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
+from common import channel as channel_module
+from common.channel import (DRAIN_BYTES, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
                             RouterChannel, check_ipc_server, is_loopback, make_curve_keys, request)
 from common.config import Config
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
@@ -507,6 +508,41 @@ def test_receiving_is_bounded_in_bytes_before_anything_is_decoded(sock_dir: str)
         while taken < sent and time.monotonic() < deadline:   # the rest waited in the queues: none lost
             taken += len(router._drain(0.1))
         assert taken == sent
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_memory_goes_back_once_a_flood_has_been_quiet_not_while_it_lasts(sock_dir: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The give-back waits for QUIET_S without a frame (a flood's connections may still be closing and
+    libzmq freeing what it queued for them), then trims once; the loop's idle turns are enough."""
+    trims: list[float] = []
+    monkeypatch.setattr(channel_module, "_malloc_trim", lambda: trims.append(time.monotonic()))
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2 << 20)
+    dealer = DealerChannel(router.endpoint, max_bytes=2 << 20)
+    try:
+        frames = TRIM_BYTES // (1 << 20) + 2
+        taken = 0
+        for _ in range(frames):
+            dealer.socket.send(bytes(1 << 20))
+            taken += len(router.poll(0.5)) + router.bad_messages.total()   # raw bytes: counted as bad
+            router.bad_messages.clear()
+        assert taken == frames
+        assert trims == [], "not while frames keep coming"
+        last = time.monotonic()
+        while time.monotonic() - last < QUIET_S * 0.8:
+            router.give_back_memory()                # what a service's loop does between messages
+            assert trims == []
+            time.sleep(0.05)
+        deadline = time.monotonic() + QUIET_S + 2
+        while not trims and time.monotonic() < deadline:
+            router.give_back_memory()
+            time.sleep(0.05)
+        assert len(trims) == 1 and trims[0] - last >= QUIET_S * 0.8, trims
+        for _ in range(3):
+            router.give_back_memory()
+        assert len(trims) == 1, "once per flood"
     finally:
         dealer.close()
         router.close()
