@@ -19,10 +19,13 @@ The full procedure, each stage cached under --cache-dir so a rerun skips what it
 Writes bench/out/toy_tau.json, bench/out/toy_tau.png (tau vs steps) and the final drafter export
 under the cache dir, and prints a markdown table for docs/benchmarks.md.
 
-With --gate it runs the FP8 quality gate instead of stage 3-4's curve: three trainings through both
-services (bf16, fp8-emulated with the same seed and batches, bf16 with the next seed: the noise
-floor), each drafter's final held-out loss (the trainer's eval of --gate-heldout rows) and tau, and
-FP8's cost per part in one step without training noise -> bench/out/fp8_gate.json.
+With --gate it runs the FP8 quality gate instead of stage 3-4's curve: for each of --gate-seeds seeds
+two trainings through both services (bf16, and fp8-emulated with the same seed and batches), each
+drafter's final held-out loss (the trainer's eval of --gate-heldout rows) and tau, the gate over
+the pairs (`dfpipe.toy_target.Fp8Gate`: mean differences with one-sided 95% bounds), bf16's
+spread across seeds, and FP8's cost per part in one step without training noise ->
+bench/out/fp8_gate.json. Each training is cached under --cache-dir: a rerun with more seeds
+trains only the new ones.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -151,61 +155,101 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
     return exports
 
 
+def gate_run(target_dir: str, data_path: str, heldout_path: str, prompts_file: str, run: str,
+             recipe: tt.DrafterRecipe, epochs: int, seed: int, eval_batches: int, compute_dtype: str,
+             max_new_tokens: int) -> dict[str, Any]:
+    """One of the gate's trainings through both services, its final held-out loss and its tau
+    (decoded, lossless check), cached as `<run>/gate.json`: a rerun skips the runs already done.
+    Runs in its own process (--gate-jobs): it starts its own services."""
+    from drafter_trainer.export import load_drafter
+
+    done = os.path.join(run, "gate.json")
+    if os.path.isfile(done):
+        with open(done, encoding="utf-8") as f:
+            return json.load(f)
+    shutil.rmtree(run, ignore_errors=True)
+    t = time.monotonic()
+    tt.train_drafter_through_services(target_dir, data_path, run, recipe, epochs, seed=seed,
+                                      heldout_path=heldout_path, eval_every=10 ** 9, eval_batches=eval_batches,
+                                      compute_dtype=compute_dtype)
+    train_s = time.monotonic() - t
+    tokenizer = tt.load_tokenizer(target_dir)
+    drafter = load_drafter(os.path.join(run, "train", "export"), target_dir)
+    target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
+    report = ev.evaluate(target, drafter, ev.load_prompts(prompts_file, tokenizer), max_new_tokens,
+                         ev.stop_token_ids(tokenizer))
+    result = {"precision": recipe.precision, "seed": seed, "heldout_loss": round(tt.final_heldout_loss(run), 5),
+              "tau": round(report.tau, 3), "lossless": report.lossless, "train_seconds": round(train_s, 1)}
+    with open(done, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return result
+
+
 def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: list[dict[str, Any]],
              data_path: str) -> int:
-    """Issue 32's FP8 quality gate through both services: bf16 (the compute dtype) and fp8-emulated
-    with the same seed, data and batches, and bf16 with the next seed, whose distance from the
-    first is the noise floor the gate's 1% must stand well above. Each run's final held-out loss
-    (the trainer's eval on --gate-heldout rows, fixed anchors) and tau (decoded, lossless check)."""
-    from drafter_trainer.export import load_drafter
+    """Issue 32's FP8 quality gate through both services (`tt.Fp8Gate`): for each of --gate-seeds
+    seeds, bf16 (the compute dtype) and fp8-emulated with that seed, data and batches; each run's
+    final held-out loss (the trainer's eval of all --gate-heldout rows, fixed anchors) and tau; the
+    gate over the pairs, and the seed noise (the bf16 runs' spread). --gate-jobs trainings at a time."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.monotonic()
     heldout_prompts = tt.heldout_samples(args.seed, args.eval_prompts + args.gate_heldout)
     heldout, heldout_path = answered_data(args.cache_dir, target_dir, f"gate-heldout-n{args.gate_heldout}-s{args.seed}",
-                                    heldout_prompts[args.eval_prompts:])
-    tokenizer = tt.load_tokenizer(target_dir)
+                                          heldout_prompts[args.eval_prompts:])
     prompts_file = os.path.join(args.out, "toy_tau_prompts.jsonl")
     toy_corpus.write_jsonl(heldout_prompts[:args.eval_prompts], prompts_file)
-    prompts = ev.load_prompts(prompts_file, tokenizer)
     recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr,
                               max_anchors=args.anchors)
     epochs, _ = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
     steps = tt.planned_steps(target_dir, samples, recipe, epochs, args.seed)
-    heldout_batches = tt.planned_steps(target_dir, heldout, recipe, 1, args.seed)    # all of them, every eval
-    references: dict[int, ev.GreedyOutput] = {}
-    target: ev.TargetModel | None = None
+    heldout_batches = tt.planned_steps(target_dir, heldout, recipe, 1, args.seed)    # all of them
+    # The runs' folders are named after everything that shapes them: a rerun with other sizes
+    # never takes an older run's result.
+    shape = hashlib.sha256(json.dumps([os.path.basename(target_dir), os.path.basename(data_path),
+                                       os.path.basename(heldout_path), asdict(recipe), epochs, args.compute_dtype,
+                                       args.eval_prompts, args.max_new_tokens]).encode()).hexdigest()[:10]
+    seeds = list(range(args.seed, args.seed + args.gate_seeds))
+    names = [(f"{precision}-s{seed}", precision, seed) for seed in seeds for precision in ("bf16", "fp8-emulated")]
+    log(f"FP8 gate: {len(seeds)} paired seeds, {steps} steps a run ({epochs} epochs), {args.gate_jobs} at a time, "
+        f"runs under {args.cache_dir}/gate-{shape}-*")
     runs: dict[str, dict[str, Any]] = {}
-    for name, precision, seed in (("bf16", "bf16", args.seed), ("bf16-next-seed", "bf16", args.seed + 1),
-                                  ("fp8", "fp8-emulated", args.seed)):
-        run = os.path.join(args.cache_dir, f"gate-{name}")
-        shutil.rmtree(run, ignore_errors=True)
-        t = time.monotonic()
-        tt.train_drafter_through_services(target_dir, data_path, run, replace(recipe, precision=precision),
-                                          epochs, seed=seed, heldout_path=heldout_path, eval_every=steps,
-                                          eval_batches=heldout_batches, compute_dtype=args.compute_dtype)
-        train_s = time.monotonic() - t
-        drafter = load_drafter(os.path.join(run, "train", "export"), target_dir)
-        if target is None:
-            target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
-        report = ev.evaluate(target, drafter, prompts, args.max_new_tokens, ev.stop_token_ids(tokenizer),
-                             references=references)
-        runs[name] = {"precision": precision, "seed": seed, "heldout_loss": round(tt.final_heldout_loss(run), 5),
-                      "tau": round(report.tau, 3), "lossless": report.lossless, "train_seconds": round(train_s, 1)}
-        log(f"{name}: {runs[name]}")
-    in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, "gate-bf16", "train", "export"), heldout, args.seed)
-    noise = runs["bf16-next-seed"]["heldout_loss"] / runs["bf16"]["heldout_loss"] - 1
-    gate = tt.fp8_gate(runs["bf16"]["heldout_loss"], runs["fp8"]["heldout_loss"], runs["bf16"]["tau"],
-                       runs["fp8"]["tau"])
+    with ProcessPoolExecutor(args.gate_jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(gate_run, target_dir, data_path, heldout_path, prompts_file,
+                                     os.path.join(args.cache_dir, f"gate-{shape}-{name}"),
+                                     replace(recipe, precision=precision), epochs, seed, heldout_batches,
+                                     args.compute_dtype, args.max_new_tokens)
+                   for name, precision, seed in names}
+        for name, future in futures.items():
+            runs[name] = future.result()
+            log(f"{name}: {runs[name]}")
+    pairs = [(runs[f"bf16-s{s}"]["heldout_loss"], runs[f"fp8-emulated-s{s}"]["heldout_loss"],
+              runs[f"bf16-s{s}"]["tau"], runs[f"fp8-emulated-s{s}"]["tau"]) for s in seeds]
+    gate = tt.fp8_gate(pairs)
+    bf16_losses = [p[0] for p in pairs]
+    mean = sum(bf16_losses) / len(bf16_losses)
+    seed_noise = (math.sqrt(sum((x - mean) ** 2 for x in bf16_losses) / (len(bf16_losses) - 1)) / mean
+                  if len(bf16_losses) > 1 else float("nan"))
+    in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, f"gate-{shape}-bf16-s{args.seed}", "train", "export"),
+                          heldout, args.seed)
+    (loss, loss_lo, loss_hi), (tau, tau_lo, tau_hi) = gate.loss, gate.tau
     result = {"date": datetime.date.today().isoformat(),
-              "command": command,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "command": command,
               "args": vars(args), "toy_target": tt.read_report(target_dir), "drafter_recipe": asdict(recipe),
-              "epochs": epochs, "steps": steps, "runs": runs, "noise_floor": round(noise, 5), "in_step": in_step,
-              "gate": {"passed": gate.passed, "loss_rel": round(gate.loss_rel, 5), "tau_diff": round(gate.tau_diff, 3)},
+              "epochs": epochs, "steps": steps, "runs": runs,
+              "seed_noise": round(seed_noise, 5),   # bf16's final loss across seeds: its relative sd
+              "in_step": in_step,
+              "gate": {"verdict": gate.verdict, "pairs": len(pairs), "confidence": tt.GATE_CONFIDENCE,
+                       "loss_rel": [round(x, 5) for x in gate.loss_rel],
+                       "loss_rel_mean_bounds": [round(x, 5) for x in (loss, loss_lo, loss_hi)],
+                       "tau_diff": [round(x, 3) for x in gate.tau_diff],
+                       "tau_diff_mean_bounds": [round(x, 4) for x in (tau, tau_lo, tau_hi)]},
               "seconds": round(time.monotonic() - t0, 1)}
     result["toy_target"].pop("loss_curve", None)
     with open(os.path.join(args.out, "fp8_gate.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    log(f"FP8 quality gate: {gate}; noise floor (bf16, next seed) {noise:+.2%}; {steps} steps a run")
+    log(f"FP8 quality gate: {gate}; bf16's seed noise (relative sd of its final loss) {seed_noise:.2%}")
     return 0 if all(r["lossless"] for r in runs.values()) else 1
 
 
@@ -295,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-steps", type=int, default=None,
                     help="toy target steps: a schedule of the step alone, reproducible (default: the time budget's)")
     ap.add_argument("--gate", action="store_true",
-                    help="instead of the tau curve: the FP8 quality gate (fp8-emulated against bf16, and bf16 "
-                         "with the next seed for the noise floor) -> bench/out/fp8_gate.json")
+                    help="instead of the tau curve: the FP8 quality gate (fp8-emulated against bf16, paired "
+                         "by seed) -> bench/out/fp8_gate.json")
+    ap.add_argument("--gate-seeds", type=int, default=2, help="paired seeds the gate trains (two runs each)")
+    ap.add_argument("--gate-jobs", type=int, default=1, help="gate trainings at a time (each starts both services)")
     ap.add_argument("--gate-heldout", type=int, default=64, help="held-out rows the gate's loss is measured on")
     ap.add_argument("--compute-dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="the target's dtype and the trainer's compute dtype (auto: fp32 on a CPU)")

@@ -557,27 +557,92 @@ def final_heldout_loss(run_dir: str) -> float:
 
 
 # Issue 32's FP8 quality gate: on the toy target through both services, the same seed and batches,
-# FP8's final held-out loss within 1% (relative) of bf16's and its tau no worse than bf16's - 0.1.
+# FP8's final held-out loss at most 1% (relative) above bf16's and its tau no worse than bf16's - 0.1.
+# One pair of trainings cannot decide it: FP8's rounding sends a small training down another path,
+# and pairs with different seeds land a few percent either side of bf16 (docs/benchmarks.md). So the
+# gate is on the mean over paired seeds, each pair the same seed and batches, with a one-sided 95%
+# Student-t bound: FP8 passes when even the bound's worst case is inside the limits, misses when
+# even its best case is outside, and is undecided otherwise (more pairs narrow the bound).
 GATE_LOSS_REL = 0.01
 GATE_TAU_DROP = 0.1
+GATE_CONFIDENCE = 0.95
+
+
+def student_t_quantile(p: float, df: int) -> float:
+    """The p-quantile (p > 0.5) of Student's t with `df` degrees of freedom: the CDF by Simpson's rule
+    over the density from 0 (accurate to ~1e-9 for the x this gate needs), inverted by bisection."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"student_t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+    norm = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 4000) -> float:
+        h = x / n
+        total = sum((1 if i in (0, n) else 4 if i % 2 else 2) * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2)
+                    for i in range(n + 1))
+        return 0.5 + norm * total * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass(frozen=True)
 class Fp8Gate:
-    """FP8 against bf16 on the quality gate: relative held-out loss difference, tau difference."""
-    loss_rel: float             # fp8's final held-out loss / bf16's - 1
-    tau_diff: float             # fp8's tau - bf16's
+    """FP8 against bf16 on the quality gate over paired trainings (one pair per seed): each pair's
+    relative held-out loss difference (fp8 / bf16 - 1) and tau difference (fp8 - bf16)."""
+    loss_rel: tuple[float, ...]
+    tau_diff: tuple[float, ...]
+
+    def _bounds(self, values: tuple[float, ...]) -> tuple[float, float, float]:
+        """(mean, one-sided lower bound, one-sided upper bound) at GATE_CONFIDENCE; the bounds are
+        infinite with one pair (no spread to judge the noise by)."""
+        n = len(values)
+        mean = sum(values) / n
+        if n < 2:
+            return mean, -math.inf, math.inf
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = student_t_quantile(GATE_CONFIDENCE, n - 1) * sd / math.sqrt(n)
+        return mean, mean - half, mean + half
+
+    @property
+    def loss(self) -> tuple[float, float, float]:
+        return self._bounds(self.loss_rel)
+
+    @property
+    def tau(self) -> tuple[float, float, float]:
+        return self._bounds(self.tau_diff)
+
+    @property
+    def verdict(self) -> str:
+        """pass, miss, or undecided (the bounds straddle a limit)."""
+        (_, loss_lo, loss_hi), (_, tau_lo, tau_hi) = self.loss, self.tau
+        if loss_lo > GATE_LOSS_REL or tau_hi < -GATE_TAU_DROP:
+            return "miss"
+        if loss_hi <= GATE_LOSS_REL and tau_lo >= -GATE_TAU_DROP:
+            return "pass"
+        return "undecided"
 
     @property
     def passed(self) -> bool:
-        return abs(self.loss_rel) <= GATE_LOSS_REL and self.tau_diff >= -GATE_TAU_DROP
+        return self.verdict == "pass"
 
     def __str__(self) -> str:
-        return f"{'pass' if self.passed else 'miss'} (loss {self.loss_rel:+.2%}, tau {self.tau_diff:+.3f})"
+        (loss, _, loss_hi), (tau, tau_lo, _) = self.loss, self.tau
+        return (f"{self.verdict} over {len(self.loss_rel)} paired seed(s): loss {loss:+.2%} "
+                f"(95% upper bound {loss_hi:+.2%}, limit +{GATE_LOSS_REL:.0%}), tau {tau:+.3f} "
+                f"(95% lower bound {tau_lo:+.3f}, limit -{GATE_TAU_DROP})")
 
 
-def fp8_gate(loss_bf16: float, loss_fp8: float, tau_bf16: float, tau_fp8: float) -> Fp8Gate:
-    return Fp8Gate(loss_rel=loss_fp8 / loss_bf16 - 1, tau_diff=tau_fp8 - tau_bf16)
+def fp8_gate(pairs: list[tuple[float, float, float, float]]) -> Fp8Gate:
+    """The gate over (bf16 loss, fp8 loss, bf16 tau, fp8 tau) of each paired seed."""
+    if not pairs:
+        raise ValueError("the FP8 gate needs at least one pair of trainings")
+    return Fp8Gate(loss_rel=tuple(l8 / l16 - 1 for l16, l8, _, _ in pairs),
+                   tau_diff=tuple(t8 - t16 for _, _, t16, t8 in pairs))
 
 
 def untrained_drafter(target_dir: str, recipe: DrafterRecipe, seed: int = 0) -> Any:

@@ -72,5 +72,5 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
     assert taus["trained"] >= taus["untrained"] + 1.0, taus
     # FP8 trains: the drafter accepts clearly more than an untrained one, and stays lossless
     assert taus["fp8"] >= taus["untrained"] + 1.0, taus
-    gate = tt.fp8_gate(losses["trained"], losses["fp8"], taus["trained"], taus["fp8"])
+    gate = tt.fp8_gate([(losses["trained"], losses["fp8"], taus["trained"], taus["fp8"])])
     print(f"FP8 quality gate at CI size (noise-bound, informative only): {gate}")
