@@ -156,7 +156,7 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
 
 
 def gate_run(target_dir: str, data_path: str, heldout_path: str, prompts_file: str, run: str,
-             recipe: tt.DrafterRecipe, epochs: int, seed: int, eval_batches: int, compute_dtype: str,
+             recipe: tt.DrafterRecipe, epochs: int, steps: int, seed: int, eval_batches: int, compute_dtype: str,
              max_new_tokens: int) -> dict[str, Any]:
     """One of the gate's trainings through both services, its final held-out loss and its tau
     (decoded, lossless check), cached as `<run>/gate.json`: a rerun skips the runs already done.
@@ -170,7 +170,7 @@ def gate_run(target_dir: str, data_path: str, heldout_path: str, prompts_file: s
     shutil.rmtree(run, ignore_errors=True)
     t = time.monotonic()
     tt.train_drafter_through_services(target_dir, data_path, run, recipe, epochs, seed=seed,
-                                      heldout_path=heldout_path, eval_every=10 ** 9, eval_batches=eval_batches,
+                                      heldout_path=heldout_path, eval_every=steps, eval_batches=eval_batches,
                                       compute_dtype=compute_dtype)
     train_s = time.monotonic() - t
     tokenizer = tt.load_tokenizer(target_dir)
@@ -218,12 +218,17 @@ def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: l
     with ProcessPoolExecutor(args.gate_jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(gate_run, target_dir, data_path, heldout_path, prompts_file,
                                      os.path.join(args.cache_dir, f"gate-{shape}-{name}"),
-                                     replace(recipe, precision=precision), epochs, seed, heldout_batches,
+                                     replace(recipe, precision=precision), epochs, steps, seed, heldout_batches,
                                      args.compute_dtype, args.max_new_tokens)
                    for name, precision, seed in names}
-        for name, future in futures.items():
-            runs[name] = future.result()
-            log(f"{name}: {runs[name]}")
+        try:
+            for name, future in futures.items():
+                runs[name] = future.result()
+                log(f"{name}: {runs[name]}")
+        except BaseException:
+            for future in futures.values():   # one failed: the rest would fail alike
+                future.cancel()
+            raise
     pairs = [(runs[f"bf16-s{s}"]["heldout_loss"], runs[f"fp8-emulated-s{s}"]["heldout_loss"],
               runs[f"bf16-s{s}"]["tau"], runs[f"fp8-emulated-s{s}"]["tau"]) for s in seeds]
     gate = tt.fp8_gate(pairs)
