@@ -33,10 +33,10 @@ import argparse
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -233,8 +233,7 @@ def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: l
               runs[f"bf16-s{s}"]["tau"], runs[f"fp8-emulated-s{s}"]["tau"]) for s in seeds]
     gate = tt.fp8_gate(pairs)
     bf16_losses = [p[0] for p in pairs]
-    mean = sum(bf16_losses) / len(bf16_losses)
-    seed_noise = (math.sqrt(sum((x - mean) ** 2 for x in bf16_losses) / (len(bf16_losses) - 1)) / mean
+    seed_noise = (statistics.stdev(bf16_losses) / statistics.fmean(bf16_losses)
                   if len(bf16_losses) > 1 else float("nan"))
     in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, f"gate-{shape}-bf16-s{args.seed}", "train", "export"),
                           heldout, args.seed)

@@ -43,6 +43,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -601,11 +602,10 @@ class Fp8Gate:
         """(mean, one-sided lower bound, one-sided upper bound) at GATE_CONFIDENCE; the bounds are
         infinite with one pair (no spread to judge the noise by)."""
         n = len(values)
-        mean = sum(values) / n
+        mean = statistics.fmean(values)
         if n < 2:
             return mean, -math.inf, math.inf
-        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-        half = student_t_quantile(GATE_CONFIDENCE, n - 1) * sd / math.sqrt(n)
+        half = student_t_quantile(GATE_CONFIDENCE, n - 1) * statistics.stdev(values) / math.sqrt(n)
         return mean, mean - half, mean + half
 
     @property
