@@ -280,6 +280,26 @@ def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> Non
         raise _not_ours(endpoint, problem)
 
 
+def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[str | None, str | None]:
+    """Before binding (a service's preflight; nothing is created): why `endpoint` cannot be bound
+    as the checks of `bind_router` would refuse it (its form, its ipc path's length, an existing
+    folder of a user outside the trusted ones), or None; and the folder of an ipc:// endpoint, which
+    the caller checks can be written in or made (None for other transports)."""
+    try:
+        _check_endpoint(endpoint)
+    except ChannelError as e:
+        return str(e), None
+    path = _ipc_path(endpoint)
+    if path is None:
+        return None, None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(folder):
+        problem = folder_problem(folder, trusted_uids(allowed_uids))
+        if problem:
+            return str(_not_ours(endpoint, problem)), None
+    return None, folder
+
+
 def _unix_address(endpoint: str) -> str | None:
     """The AF_UNIX address of an ipc:// endpoint (a path, or "\\0name" for ipc://@name), else None."""
     if not endpoint.startswith("ipc://"):

@@ -273,6 +273,7 @@ def validate(cfg: Config) -> Config:
     gpus = [d for d in cfg.train.devices if d != "cpu"]
     need(len(set(gpus)) == len(gpus), "train.devices: each GPU once (one rank per GPU; \"cpu\" may repeat)")
     need(cfg.target.dtype in ("auto", "bf16", "fp32", "fp16"), "target.dtype: auto | bf16 | fp16 | fp32")
+    need(cfg.train.compute_dtype in ("auto", "bf16", "fp32"), "train.compute_dtype: auto | bf16 | fp32")
     need(cfg.drafter.block_size >= 2, "drafter.block_size: at least 2")
     need(cfg.drafter.num_layers >= 1, "drafter.num_layers: at least 1")
     need(cfg.drafter.max_anchors >= 1, "drafter.max_anchors: at least 1 (anchors per document)")

@@ -31,6 +31,20 @@ from .model import DFlashDraftModel
 from .optim import set_lr
 
 
+def rank_device(device_pref: str = "auto", devices: list[str] | None = None, local_rank: int = 0) -> torch.device:
+    """The device of local rank `local_rank`: devices[local_rank] (train.devices, the placement), else
+    train.device, where auto (and plain cuda) is cuda:<local rank> when CUDA is there, else the CPU."""
+    if devices:   # placement from config (train.devices): this node's ranks, one device each
+        if local_rank >= len(devices):
+            raise ValueError(f"local rank {local_rank} has no device: train.devices lists {len(devices)} "
+                             f"({devices}); start as many ranks per node as it lists")
+        device_pref = devices[local_rank]
+    if device_pref not in ("auto", "cpu", "cuda"):
+        return torch.device(device_pref)
+    use_cuda = torch.cuda.is_available() and device_pref != "cpu"
+    return torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+
+
 class Ranks:
     """torch.distributed when launched by torchrun with WORLD_SIZE > 1; no-ops otherwise."""
 
@@ -38,16 +52,7 @@ class Ranks:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if devices:   # placement from config (train.devices): this node's ranks, one device each
-            if self.local_rank >= len(devices):
-                raise ValueError(f"local rank {self.local_rank} has no device: train.devices lists {len(devices)} "
-                                 f"({devices}); start as many ranks per node as it lists")
-            device_pref = devices[self.local_rank]
-        use_cuda = torch.cuda.is_available() and device_pref != "cpu"
-        if device_pref not in ("auto", "cpu", "cuda"):
-            self.device = torch.device(device_pref)
-        else:
-            self.device = torch.device(f"cuda:{self.local_rank}") if use_cuda else torch.device("cpu")
+        self.device = rank_device(device_pref, devices, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world > 1 and not dist.is_initialized():

@@ -49,7 +49,7 @@ from common.channel import ChannelError, CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
-from common.config import Config, ConfigError, check_devices, default_gamma, default_layer_ids
+from common.config import Config, ConfigError, default_gamma, default_layer_ids
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import Welcome, new_session_secret
@@ -67,6 +67,7 @@ from .loss import dflash_loss, implied_acceptance_length
 from .metrics_sink import MetricsSink
 from .model import DFlashConfig, DFlashDraftModel
 from .optim import build_adamw, preimport_dynamo
+from .preflight import mask_token_id, preflight
 from .step import Ranks, StepSettings, train_step
 from .target_head import TargetHead, read_target_head, text_config
 from .warmup import CompileBehind, compiling_in_background, needs_compiling
@@ -93,7 +94,6 @@ class PlanChanged(Exception):
 
 class StoppedWaiting(Exception):
     """Told to stop (SIGTERM, Ctrl-C, ctl shutdown) before the target server answered: nothing to save."""
-MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 
 
 # ---- small pieces ------------------------------------------------------------------------------
@@ -105,42 +105,6 @@ def lr_at(progress: float, cfg: Config) -> float:
     frac = min(1.0, (progress - t.warmup_ratio) / max(1e-9, 1 - t.warmup_ratio))
     floor = t.lr * t.min_lr_ratio
     return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-def added_token_ids(target_dir: str) -> dict[str, int]:
-    """content -> id of a tokenizer folder's added tokens, read from its JSON files."""
-    found: dict[str, int] = {}
-    try:
-        with open(os.path.join(target_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            for tid, tok in (json.load(f).get("added_tokens_decoder") or {}).items():
-                found.setdefault(str(tok["content"]), int(tid))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    try:
-        with open(os.path.join(target_dir, "tokenizer.json"), encoding="utf-8") as f:
-            for tok in json.load(f).get("added_tokens") or []:
-                found.setdefault(str(tok["content"]), int(tok["id"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return found
-
-
-def mask_token_id(cfg: Config, target_dir: str) -> int:
-    if cfg.drafter.mask_token_id >= 0:
-        return cfg.drafter.mask_token_id
-    found = added_token_ids(target_dir)
-    for t in MASK_TOKENS:
-        if t in found:
-            return found[t]
-    # not an added token: ask the tokenizer itself (importing transformers costs seconds of a restart)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    for t in MASK_TOKENS:
-        tid = tok.convert_tokens_to_ids(t)
-        if isinstance(tid, int) and tid >= 0 and tid != tok.unk_token_id:
-            return tid
-    raise ValueError(f"the target tokenizer in {target_dir} has no mask token {MASK_TOKENS}; "
-                     "set drafter.mask_token_id (Qwen3: 151669, Qwen3.5/3.6: 248070)")
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
@@ -240,10 +204,7 @@ PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop,
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        if cfg.train.devices:   # the placement; train.device is then not read
-            check_devices("train.devices", cfg.train.devices)
-        else:
-            check_devices("train.device", cfg.train.device)
+        preflight(cfg)   # every config problem at once, before the ranks meet or anything waits
         self.ranks = Ranks(cfg.train.device, cfg.train.devices)
         self.device = self.ranks.device
         self.flags = TrainerFlags()

@@ -73,6 +73,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from common.config import Config, ConfigError, load_config
+from common.preflight import tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -856,11 +857,9 @@ class PreparedDataset:
 
 def _tokenizer_for(cfg: Config, source: str = "train_path") -> str:
     """The tokenizer a chat file is prepared with: target.tokenizer, else the (local) target model folder."""
-    if cfg.target.tokenizer:
-        return cfg.resolve(cfg.target.tokenizer)
-    model = cfg.resolve(cfg.target.model)
-    if not model.startswith("builtin:") and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
-        return model
+    found = tokenizer_folder(cfg)
+    if found:
+        return found
     raise DataError(f"data.{source} is a chat file but no tokenizer is known: set target.tokenizer "
                     f"(target.model {cfg.target.model!r} has no tokenizer folder)")
 

@@ -45,7 +45,7 @@ from typing import Any
 import zmq
 
 from common.channel import CurveKeys, RouterChannel
-from common.config import Config, ConfigError, check_devices
+from common.config import Config, ConfigError
 from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
@@ -54,7 +54,7 @@ from common.ring import ProducerRing, SlotState
 from common.trust import Untrusted
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
-from .tiny import BUILTIN_PREFIX, model_folder_problem
+from .preflight import preflight
 from .worker import TargetWorker
 
 log = logging.getLogger(__name__)
@@ -189,20 +189,9 @@ class TargetServer:
                                    f"or controls this folder: set ring.name to another name, or ring.shm_dir to a "
                                    f"folder of this user's own (or have that file removed)") from None
 
-    def _check_config(self) -> None:
-        """Mistakes the config alone shows, before anything is taken or loaded: devices this host
-        has, and a target folder that exists (data preparation would otherwise fail first, with
-        advice about the tokenizer)."""
-        t = self.cfg.target
-        check_devices("target.devices", t.devices)
-        if not t.model.startswith(BUILTIN_PREFIX):
-            problem = model_folder_problem(self.cfg.resolve(t.model))
-            if problem:
-                raise ConfigError(f"target.model: {problem}")
-
     def start(self) -> None:
         t = self.cfg.target
-        self._check_config()
+        preflight(self.cfg)   # every config problem at once, before anything is taken or loaded
         self._take_ring_roles()
         if t.triton_cache_dir:
             os.environ.setdefault("TRITON_CACHE_DIR", self.cfg.resolve(t.triton_cache_dir))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from common.batch import BatchError, document_positions
-from common.config import ConfigError, default_layer_ids
+from common.preflight import capture_layer_ids
 from target_server import fp8, varlen
 
 log = logging.getLogger(__name__)
@@ -187,10 +187,7 @@ class TargetRunner:
         fp8_format = fp8.read_format(config_dict)
         text_cfg = AutoConfig.from_pretrained(path).get_text_config()
         num_layers = int(text_cfg.num_hidden_layers)
-        ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers, num_capture_layers)
-        if any(not 0 <= i < num_layers for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
-            raise ConfigError(f"target.layer_ids {ids}: need strictly increasing ids in [0, {num_layers}) "
-                              f"for this {num_layers}-layer target")
+        ids = capture_layer_ids(num_layers, list(layer_ids or []), num_capture_layers)
         keep = ids[-1] + 1
         layer_types = list(getattr(text_cfg, "layer_types", None) or [])[:keep]
         if "sliding_attention" in layer_types and getattr(text_cfg, "use_sliding_window", True):

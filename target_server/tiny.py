@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-BUILTIN_PREFIX = "builtin:"
+from common.preflight import BUILTIN_PREFIX, model_folder_problem
+
 # Bumped whenever the recipe below changes what a given set of arguments produces.
 RECIPE_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -106,18 +107,6 @@ def _tokenizer_digest(tokenizer_dir: str | None) -> str:
             with open(path, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
-
-
-def model_folder_problem(path: str) -> str:
-    """What keeps `path` from being a Hugging Face model folder, in words ("" when it has a config.json)."""
-    if not os.path.exists(path):
-        return f"no such folder {path}"
-    if not os.path.isdir(path):
-        return f"{path} is a file, not a model folder"
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return (f"{path} has no config.json (a Hugging Face model folder holds config.json, the *.safetensors "
-                f"weights and the tokenizer files)")
-    return ""
 
 
 def resolve_target(spec: str, cache_dir: str, tokenizer_dir: str | None = None, **build_kwargs: Any) -> str:

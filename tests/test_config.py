@@ -149,3 +149,33 @@ def test_allowed_uids_are_user_ids_and_name_their_key_when_not() -> None:
     for bad in ("[-1]", "[true]", "1001"):
         with pytest.raises(ConfigError, match="service.allowed_uids"):
             load_config(None, [f"service.allowed_uids={bad}"])
+
+
+def _readme_config_keys() -> set[str]:
+    """`section.key` of every row of the README's configuration table (a row may list several keys)."""
+    text = (CONFIGS.parent / "README.md").read_text(encoding="utf-8")
+    table = text.split("\n## Configuration reference\n", 1)[1].split("\n## ", 1)[0]
+    keys = set()
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4 and cells[0] not in ("section", "---"):
+            keys |= {f"{cells[0]}.{k.strip()}" for k in cells[1].split(",")}
+    return keys
+
+
+def test_the_readme_configuration_table_lists_exactly_the_keys_the_code_reads() -> None:
+    import dataclasses
+
+    from common.config import Config
+    code = {f"{section.name}.{key.name}" for section in dataclasses.fields(Config) if section.name != "source"
+            for key in dataclasses.fields(section.default_factory())}
+    readme = _readme_config_keys()
+    assert len(readme) > 50, "the table was not found or not parsed"
+    assert not code - readme, f"keys missing from README.md's configuration table: {sorted(code - readme)}"
+    assert not readme - code, f"README.md's configuration table lists keys that do not exist: {sorted(readme - code)}"
+
+
+def test_compute_dtype_is_one_the_step_knows() -> None:
+    assert load_config(None, ["train.compute_dtype=bf16"]).train.compute_dtype == "bf16"
+    with pytest.raises(ConfigError, match=r"train.compute_dtype: auto \| bf16 \| fp32"):
+        load_config(None, ["train.compute_dtype=fp16"])

@@ -408,3 +408,37 @@ def test_eval_runs_an_fp8_target_with_the_target_servers_fp8_matmuls_on_cuda(
     for plane, layer in enumerate(LAYER_IDS):
         rel = float((features[plane].float() - reference[plane]).norm() / reference[plane].norm())
         assert 0 < rel <= fp8_activation_rtol(4 * (layer + 1)), (layer, rel)
+
+
+# ---- end to end: an FP8 copy of the demo target, served and trained on --------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_fp8_copy_of_the_demo_target_serves_a_trainer_that_finds_the_mask_token_through_target_tokenizer(
+        tmp_path) -> None:
+    """`dfpipe quantize-fp8` of the built-in tiny target writes no tokenizer (the built-in one has
+    none): the server prepares data with target.tokenizer, and the trainer finds the mask token
+    there too, not in the model folder."""
+    from drafter_trainer.checkpoint import TrainerState
+    from e2e import Service, inspect_run, load, serving, wait_for, write_config
+
+    fp8_target = str(tmp_path / "fp8-target")
+    assert dfpipe_main(["quantize-fp8", "--model", "builtin:tiny-qwen3.5", "--out", fp8_target]) == 0
+    assert not any(name.startswith("tokenizer") for name in os.listdir(fp8_target))
+    config = write_config(tmp_path, samples=40, target={"model": fp8_target}, train={"max_steps": 3})
+    assert load(config)["target"]["tokenizer"], "the demo tokenizer, as the served target's"
+    cfg = load(config)
+    target = Service("target-server", config, tmp_path)
+    trainer = None
+    try:
+        status = wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 300, "the FP8 target serving")
+        assert status["target"]["precision"].startswith("fp8-block"), status["target"]
+        trainer = Service("trainer", config, tmp_path)
+        assert trainer.wait(300) == 0, trainer.log()
+        assert "max_steps reached" in trainer.log()
+        info = inspect_run(config)
+        assert info["step"] == 3
+        assert TrainerState.load(info["path"]).drafter_config["mask_token_id"] == 3   # <|mask|> of the demo tokenizer
+    finally:
+        if trainer is not None:
+            trainer.stop()
+        target.stop()

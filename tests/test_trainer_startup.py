@@ -14,7 +14,8 @@ import pytest
 
 from common.config import Config, validate
 from common.liveness import process_age_s
-from drafter_trainer.train import MASK_TOKENS, added_token_ids, expected_target, mask_token_id, same_target
+from drafter_trainer.preflight import MASK_TOKENS, added_token_ids, mask_token_id
+from drafter_trainer.train import expected_target, same_target
 from e2e import Service, ctl, load, wait_for, write_config
 
 REPO = Path(__file__).resolve().parents[1]
