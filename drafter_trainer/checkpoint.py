@@ -111,10 +111,12 @@ class NoCheckpointVerifies(Exception):
 
 def check_run_folder(out_dir: str, create: bool = False) -> None:
     """Untrusted unless out_dir and its checkpoints/ (when there) pass `state_path_problem` for this
-    user and root. `create`: a missing out_dir is made first, each missing folder 0755 (the umask
+    user and root; an out_dir that is not there passes (nothing in it is read). `create`: a missing out_dir is made first, each missing folder 0755 (the umask
     may only take more away: never writable by group or others), once the folder it goes into has
     passed the same rule (sticky allowed there); nothing is created under a folder that fails."""
     trusted = trusted_uids()
+    if not create and not os.path.lexists(out_dir):
+        return   # nothing there to read: the caller finds no checkpoint
     if create and not os.path.lexists(out_dir):
         missing, parent = [], os.path.abspath(out_dir)
         while not os.path.lexists(parent):

@@ -259,3 +259,9 @@ def test_a_resealed_checkpoint_whose_ids_hold_a_duplicate_shows_it(tmp_path: Pat
     assert info["verified"] == "ok"
     assert (info["samples_duplicated"], info["documents_duplicated"], info["samples_trained"]) == (1, 1, 3)
     assert info["epochs"]["0"]["documents_duplicated"] == 1
+
+
+def test_a_run_folder_that_is_not_there_has_no_checkpoint(tmp_path: Path) -> None:
+    assert inspect_run(str(tmp_path / "none"))["checkpoints"] == []
+    assert resume_checkpoint(str(tmp_path / "none")) is None
+    assert not (tmp_path / "none").exists(), "reading makes nothing"
