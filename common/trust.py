@@ -75,7 +75,8 @@ def folder_problem(folder: str, trusted: frozenset[int], sticky_ok: bool = True)
     sticky = bool(st.st_mode & stat.S_ISVTX)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky_ok and sticky):
         return (f"the folder {folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}"
-                f"{'' if sticky else ', not sticky'}): they can {'add' if sticky else 'replace'} what is in it")
+                f"{'' if sticky else ', not sticky'}): they can "
+                f"{'put names in it' if sticky else 'replace what is in it'}")
     return None
 
 
