@@ -265,3 +265,25 @@ def test_a_run_folder_that_is_not_there_has_no_checkpoint(tmp_path: Path) -> Non
     assert inspect_run(str(tmp_path / "none"))["checkpoints"] == []
     assert resume_checkpoint(str(tmp_path / "none")) is None
     assert not (tmp_path / "none").exists(), "reading makes nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_real_trainer_refuses_an_out_dir_another_user_made_at_start_and_writes_nothing(shared: str,
+                                                                                         tmp_path: Path) -> None:
+    from e2e import Service, write_config
+
+    marker = str(tmp_path / "ran")
+    run = os.path.join(shared, "run")
+    as_stranger(_plant_run, run, _planted_state(marker))
+    before = sorted(str(p) for p in Path(run).rglob("*"))
+    trainer = Service("trainer", write_config(tmp_path, train={"out_dir": run}), tmp_path)
+    try:
+        rc = trainer.wait(300)
+    finally:
+        trainer.stop()
+    # no target server runs: the refusal comes first, before the trainer looks for one
+    assert rc != 0, trainer.log()
+    assert f"bad ownership or modes for directory {run} (owner {STRANGER}, mode 0755)" in trainer.log()
+    assert sorted(str(p) for p in Path(run).rglob("*")) == before, "the refused trainer wrote into out_dir"
+    assert not os.path.exists(marker), "the planted pickle ran"
