@@ -12,6 +12,11 @@ For a peer: the kernel's credentials of the process at the other end of a unix s
 
 The default endpoints live in a private per-user folder (`private_dir`), never directly in a
 shared sticky folder, where another user could take a socket's name while its server is down.
+
+State the services read back (the trainer's checkpoints) follows ssh's StrictModes rule,
+`state_path_problem`: the path itself belongs to a trusted user and neither group nor others may
+write to it (sticky or not), and every folder above it belongs to a trusted user and others
+cannot replace names in it (sticky allowed: /tmp).
 """
 from __future__ import annotations
 
@@ -50,11 +55,12 @@ def who(uid: int) -> str:
         return f"uid {uid}"
 
 
-def folder_problem(folder: str, trusted: frozenset[int]) -> str | None:
+def folder_problem(folder: str, trusted: frozenset[int], sticky_ok: bool = True) -> str | None:
     """Why users outside `trusted` control `folder` (or what it names), or None when they do not.
 
     A symbolic link counts as its owner's (in a sticky folder only its owner can repoint it), and
-    then the folder it points to is checked."""
+    then the folder it points to is checked. `sticky_ok` False: a group- or world-writable folder
+    is refused even when sticky (others may still add names to it)."""
     try:
         link = os.lstat(folder)
         st = os.stat(folder)
@@ -66,9 +72,69 @@ def folder_problem(folder: str, trusted: frozenset[int]) -> str | None:
         return f"{folder} is not a folder"
     if st.st_uid not in trusted:
         return f"the folder {folder} belongs to {who(st.st_uid)}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        return (f"the folder {folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}, not "
-                "sticky): they can replace what is in it")
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky_ok and sticky):
+        return (f"the folder {folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}"
+                f"{'' if sticky else ', not sticky'}): they can "
+                f"{'put names in it' if sticky else 'replace what is in it'}")
+    return None
+
+
+def file_problem(path: str, trusted: frozenset[int]) -> str | None:
+    """Why users outside `trusted` may have written the file `path` (not followed), or None: a
+    symbolic link, no regular file, another user's, or writable by group or others."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link of {who(st.st_uid)}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid not in trusted:
+        return f"the file {path} belongs to {who(st.st_uid)}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"the file {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _owner_and_mode(path: str, trusted: frozenset[int]) -> str:
+    """'owner uid 65534 (nobody), mode 0755' of what `path` names (of a link itself when it is another
+    user's: that is what is refused)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid in trusted:
+            st = os.stat(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    return f"owner {who(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _folders_above(path: str) -> list[str]:
+    """Every folder above `path` as written and above where its links lead, from / down, once each."""
+    seen: dict[str, None] = {}
+    for p in (os.path.abspath(path), os.path.realpath(path)):
+        parts = p.split(os.sep)[1:-1]
+        for i in range(len(parts) + 1):
+            seen.setdefault(os.sep + os.path.join(*parts[:i]) if i else os.sep, None)
+    return list(seen)
+
+
+def state_path_problem(path: str, trusted: frozenset[int], is_file: bool = False,
+                       sticky_ok: bool = False) -> str | None:
+    """ssh's StrictModes rule for state a service reads back, or None when `path` passes it: every
+    folder above it (as written and where its links lead) belongs to a trusted user and others
+    cannot replace names in it (sticky allowed), and `path` itself, a folder (or a file with
+    `is_file`), belongs to a trusted user and neither group nor others may write to it, sticky or
+    not (`sticky_ok`: sticky allowed, for a folder about to get a new name). A symbolic link on the
+    way counts as its owner's. The answer names the path, its owner and its mode."""
+    kind = "file" if is_file else "directory"
+    for folder in _folders_above(path):
+        if problem := folder_problem(folder, trusted):
+            return f"bad ownership or modes for directory {folder} ({_owner_and_mode(folder, trusted)}): {problem}"
+    problem = file_problem(path, trusted) if is_file else folder_problem(path, trusted, sticky_ok=sticky_ok)
+    if problem:
+        return f"bad ownership or modes for {kind} {path} ({_owner_and_mode(path, trusted)}): {problem}"
     return None
 
 

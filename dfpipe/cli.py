@@ -74,22 +74,29 @@ def cmd_top(args: argparse.Namespace) -> int:
     return top(_config(args), interval=args.interval, iterations=args.iterations, once=args.once)
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def _inspect_info(args: argparse.Namespace) -> dict[str, Any]:
     from drafter_trainer.checkpoint import checkpoint_root, inspect, inspect_run
     path = args.path
-    if not path or os.path.isdir(checkpoint_root(path)):
-        if not path:
-            cfg = _config(args)
-            path = cfg.resolve(cfg.train.out_dir)
-        run = path
-        info = inspect_run(run)
-        if not info["checkpoints"]:
-            raise SystemExit(f"dfpipe inspect: no checkpoint under {checkpoint_root(run)}")
-        if "verified" not in info:
-            print(f"dfpipe inspect: no checkpoint under {checkpoint_root(run)} verifies (each one's failed check "
-                  "below; README, \"The trainer crashed\")", file=sys.stderr)
-    else:
-        info = inspect(path)
+    if path and not os.path.isdir(checkpoint_root(path)):
+        return inspect(path)
+    if not path:
+        cfg = _config(args)
+        path = cfg.resolve(cfg.train.out_dir)
+    info = inspect_run(path)
+    if not info["checkpoints"]:
+        raise SystemExit(f"dfpipe inspect: no checkpoint under {checkpoint_root(path)}")
+    if "verified" not in info:
+        print(f"dfpipe inspect: no checkpoint under {checkpoint_root(path)} verifies (each one's failed check "
+              "below; README, \"The trainer crashed\")", file=sys.stderr)
+    return info
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from common.trust import Untrusted
+    try:
+        info = _inspect_info(args)
+    except Untrusted as e:   # another user controls what would be read: one line, nothing of it read
+        raise SystemExit(f"dfpipe inspect: refused: {e}") from None
     if not args.json:
         info.pop("have", None)
     _print(info, args.json)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from common.config import Config
+from common.trust import Untrusted
 from drafter_trainer.checkpoint import CheckpointInvalid, TrainerState, checkpoint_root, load_newest
 from drafter_trainer.export import ExportError, check_target, export_drafter
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel
@@ -20,19 +21,10 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
     a built-in target (a test model built on demand) is not checked. A checked target's config
     fingerprint is recorded in the export (`dfpipe eval` compares it with the target it is given).
     """
-    if checkpoint:
-        try:
-            path, state = checkpoint, TrainerState.load(checkpoint)
-        except CheckpointInvalid as e:
-            raise SystemExit(f"dfpipe export: {e}; this checkpoint fails verification and is not exported "
-                             "(`dfpipe inspect RUN_FOLDER` lists the ones that verify)") from None
-    else:
-        run = cfg.resolve(cfg.train.out_dir)
-        found = load_newest(run, lambda e: print(f"dfpipe export: skipping {e.path}: fails verification "
-                                                 f"({e.check}: {e.detail})", file=sys.stderr))
-        if found is None:
-            raise SystemExit(f"dfpipe export: no checkpoint under {checkpoint_root(run)} verifies")
-        path, state = found
+    try:
+        path, state = _checkpoint(cfg, checkpoint)
+    except Untrusted as e:   # another user controls what would be read: one line, nothing of it loaded
+        raise SystemExit(f"dfpipe export: refused: {e}") from None
     model = DFlashDraftModel(DFlashConfig(**state.drafter_config), split_fc=state.split_fc)
     try:
         state.restore_weights(model)
@@ -52,3 +44,19 @@ def export_checkpoint(cfg: Config, checkpoint: str, out_dir: str, target_dir: st
     # records the checked target and the precision the target ran in for `dfpipe eval`
     export_drafter(model, out_dir, target_dir=checked, target_precision=state.target_precision)
     return out_dir
+
+
+def _checkpoint(cfg: Config, checkpoint: str) -> tuple[str, TrainerState]:
+    """The checkpoint to export, verified and loaded: `checkpoint`, or the newest of the run that verifies."""
+    if checkpoint:
+        try:
+            return checkpoint, TrainerState.load(checkpoint)
+        except CheckpointInvalid as e:
+            raise SystemExit(f"dfpipe export: {e}; this checkpoint fails verification and is not exported "
+                             "(`dfpipe inspect RUN_FOLDER` lists the ones that verify)") from None
+    run = cfg.resolve(cfg.train.out_dir)
+    found = load_newest(run, lambda e: print(f"dfpipe export: skipping {e.path}: fails verification "
+                                             f"({e.check}: {e.detail})", file=sys.stderr))
+    if found is None:
+        raise SystemExit(f"dfpipe export: no checkpoint under {checkpoint_root(run)} verifies")
+    return found

@@ -16,9 +16,19 @@
 
 A checkpoint is evidence, not trust: `verify_checkpoint` checks every file's size and digest
 against the manifest, and the facts against each other (meta.json says the manifest's step,
-epoch and `have`; the sample ids' batch seqs are exactly `have`); `TrainerState.load` verifies
-before it unpickles anything, and the trainer resumes from the newest checkpoint that verifies,
-moving each one that does not aside (`move_aside`).
+epoch and `have`, and the audit counts the sample ids give; the sample ids' batch seqs are
+exactly `have`); `TrainerState.load` verifies before it loads anything, and the trainer resumes
+from the newest checkpoint that verifies, moving each one that does not aside (`move_aside`).
+The manifest's digests are no signature (anyone who can write the folder can reseal it), so
+state.pt is only ever loaded with torch's weights-only unpickler (`_load_state`): tensors and
+plain values; a pickle that names anything else fails `state.pt-unsafe` and runs nothing.
+
+Only the service's own user (and root) may control what is read: out_dir, checkpoints/, each
+checkpoint folder and file must be theirs and not writable by group or others, and every folder
+above them theirs or sticky (`common.trust.state_path_problem`, ssh's StrictModes rule). Anything
+else raises `common.trust.Untrusted` naming the path, its owner and its mode, before anything in
+out_dir is written (`check_run_folder`); `service.allowed_uids` (who may talk to the sockets) does
+not extend to it.
 
 Every save is write-new-then-rename, and so is every removal (a folder leaves the names a resume
 considers before its files go): a `kill -9` at any moment leaves the previous complete checkpoint
@@ -51,6 +61,7 @@ from common.cluster import count_by_host, epoch_ranges
 from common.faults import fault_error, fault_point
 from common.protocol import ProtocolError, check_plan
 from common.seqset import SeqSet
+from common.trust import Untrusted, state_path_problem, trusted_uids
 
 # torch is imported only where state.pt is written or unpickled: verifying and inspecting checkpoints
 # (`dfpipe inspect`, the tests' exactly-once audits) then starts in a fraction of torch's ~1.5 s import.
@@ -98,11 +109,38 @@ class NoCheckpointVerifies(Exception):
     progress away, so the trainer stops and says what to do."""
 
 
+def check_run_folder(out_dir: str, create: bool = False) -> None:
+    """Untrusted unless out_dir and its checkpoints/ (when there) pass `state_path_problem` for this
+    user and root; an out_dir that is not there passes (nothing in it is read). `create`: a missing out_dir is made first, each missing folder 0755 (the umask
+    may only take more away: never writable by group or others), once the folder it goes into has
+    passed the same rule (sticky allowed there); nothing is created under a folder that fails."""
+    trusted = trusted_uids()
+    if not create and not os.path.lexists(out_dir):
+        return   # nothing there to read: the caller finds no checkpoint
+    if create and not os.path.lexists(out_dir):
+        missing, parent = [], os.path.abspath(out_dir)
+        while not os.path.lexists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        if problem := state_path_problem(parent, trusted, sticky_ok=True):
+            raise Untrusted(f"train.out_dir {out_dir}: {problem}")
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder, 0o755)
+            except FileExistsError:   # made meanwhile: the check below says whose it is
+                pass
+    for path in (out_dir, checkpoint_root(out_dir)):
+        if path == out_dir or os.path.lexists(path):
+            if problem := state_path_problem(path, trusted):
+                raise Untrusted(f"train.out_dir {out_dir}: {problem}")
+
+
 def lock_out_dir(out_dir: str) -> int:
     """Take out_dir's trainer lock (flock on out_dir/trainer.lock) or raise OutDirInUse naming the
-    holder. Returns the fd: the lock lasts as long as it is open, i.e. until the process ends,
+    holder; Untrusted (`check_run_folder`, out_dir created when missing) before anything is
+    written. Returns the fd: the lock lasts as long as it is open, i.e. until the process ends,
     however it ends (the kernel drops a dead process's flock, so a stale file never blocks)."""
-    os.makedirs(out_dir, exist_ok=True)
+    check_run_folder(out_dir, create=True)
     path = os.path.join(out_dir, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -479,9 +517,57 @@ class Verified:
     state: dict[str, Any] | None = None   # legacy only: state.pt, loaded to check it
 
 
+def _trusted_file(path: str, name: str) -> str:
+    """The checkpoint file path/name; Untrusted when it is there and not this user's or root's, is
+    writable by group or others, or is a link (`state_path_problem`). A missing one is for the
+    caller to report (a failed check, `<name>-missing`)."""
+    file = os.path.join(path, name)
+    if os.path.lexists(file) and (problem := state_path_problem(file, trusted_uids(), is_file=True)):
+        raise Untrusted(f"checkpoint {path}: {problem}")
+    return file
+
+
+def _safe_globals() -> list[Any]:
+    """What the weights-only load of state.pt may build besides tensors and plain values: numpy
+    integer arrays, in which checkpoints before manifests kept their sample ids. Rebuilding one
+    runs none of the file's code (an array of Python objects stays refused)."""
+    from numpy._core import multiarray
+
+    return [np.ndarray, np.dtype, np.dtypes.Int64DType, np.dtypes.Int32DType, multiarray._reconstruct,
+            (multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]   # numpy 1's name, in older pickles
+
+
+def _load_state(path: str, mmap: bool = False) -> dict[str, Any]:
+    """state.pt of the checkpoint `path`, loaded without running anything it holds: a pickle that
+    names any callable or class beyond tensors, plain values and `_safe_globals` fails
+    `state.pt-unsafe` (those names read from its opcodes, never called), and the load itself is
+    torch's weights-only unpickler. A file that does not load fails `state.pt-unreadable`."""
+    import torch
+
+    file = _trusted_file(path, STATE)
+    allowed = _safe_globals()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+            if unsafe:
+                raise CheckpointInvalid(path, f"{STATE}-unsafe", f"its pickle calls or builds {', '.join(unsafe[:4])}: "
+                                        "a checkpoint holds tensors and plain values only; not loaded, nothing in "
+                                        "it was run")
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except CheckpointInvalid:
+        raise
+    except FileNotFoundError:
+        raise CheckpointInvalid(path, f"{STATE}-missing", "not on disk") from None
+    except Exception as e:   # a torn zip, a torn pickle: whatever loading a damaged file raises
+        raise CheckpointInvalid(path, f"{STATE}-unreadable", f"{type(e).__name__}: {str(e)[:300]}") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointInvalid(path, f"{STATE}-unreadable", "no weights in it (no `model`)")
+    return state
+
+
 def _read(path: str, name: str) -> bytes:
     try:
-        with open(os.path.join(path, name), "rb") as f:
+        with open(_trusted_file(path, name), "rb") as f:
             return f.read()
     except FileNotFoundError:
         raise CheckpointInvalid(path, f"{name}-missing", "not on disk") from None
@@ -541,6 +627,24 @@ def check_samples(path: str, have: SeqSet, samples: dict[int, np.ndarray], seqs:
                        f"samples only {only_samples.to_wire()[:3]}")
 
 
+def check_accounting(path: str, meta: dict[str, Any], samples: dict[int, np.ndarray]) -> None:
+    """meta.json's audit is what the sample ids give: the current epoch's counts (`sample_stats`)
+    and each epoch's (`epochs`). Only the counts a meta.json holds are compared (older ones hold
+    fewer); `epoch_samples` and `epoch_documents` are the plan's sizes, which no sample id says."""
+    def disagree(detail: str) -> CheckpointInvalid:
+        return CheckpointInvalid(path, "meta.json-disagrees", detail)
+
+    for k, v in sample_stats(samples, meta.get("epoch", 0), 0).items():
+        if k in meta and not k.startswith("epoch_") and meta[k] != v:
+            raise disagree(f"{k}: meta.json {meta[k]!r}, the sample ids give {v}")
+    if "epochs" in meta:
+        given = epoch_stats(samples)
+        told = meta["epochs"] if isinstance(meta["epochs"], dict) else {}
+        if set(told) != set(given) or any(not isinstance(told[e], dict)
+                                          or any(given[e].get(k) != n for k, n in told[e].items()) for e in told):
+            raise disagree("epochs: the per-epoch counts are not what the sample ids give")
+
+
 def _load_samples(path: str, data: bytes) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], SeqSet]:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -578,7 +682,9 @@ def verify_checkpoint(path: str) -> Verified:
     before manifests: `_verify_legacy`."""
     if not os.path.isdir(path):
         raise CheckpointInvalid(path, "folder-missing", "no such checkpoint folder")
-    if not os.path.exists(os.path.join(path, MANIFEST)):
+    if problem := state_path_problem(path, trusted_uids()):
+        raise Untrusted(f"checkpoint {path}: {problem}")
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
         return _verify_legacy(path)
     manifest = _json(path, MANIFEST, _read(path, MANIFEST))
     body = {k: v for k, v in manifest.items() if k != "digest"}
@@ -596,7 +702,7 @@ def verify_checkpoint(path: str) -> Verified:
                                 f"{sorted(files) if isinstance(files, dict) else files!r:.80}")
     for name, entry in files.items():
         try:
-            size = os.stat(os.path.join(path, name)).st_size
+            size = os.stat(_trusted_file(path, name)).st_size
         except FileNotFoundError:
             raise CheckpointInvalid(path, f"{name}-missing", "listed in the manifest, not on disk") from None
         if size != entry["size"]:
@@ -620,6 +726,7 @@ def verify_checkpoint(path: str) -> Verified:
         raise CheckpointInvalid(path, "samples-disagree", f"samples per epoch {counts}, the manifest says "
                                 f"{manifest.get('samples')}")
     check_samples(path, have, samples, seqs, unattributed, meta.get("epoch_sizes"))
+    check_accounting(path, meta, samples)
     state_size = files[STATE]["size"]
     try:
         digest = file_digest(os.path.join(path, STATE), state_size)
@@ -632,41 +739,28 @@ def verify_checkpoint(path: str) -> Verified:
 
 def _verify_legacy(path: str) -> Verified:
     """A checkpoint from before manifests (no manifest.json, no samples.npz): accepted after a
-    consistency check, since its bytes cannot be checked: meta.json parses, state.pt unpickles,
-    their steps agree, and the sample accounting in meta.json (per epoch, and the batch total in
-    `cluster`) is what the sample ids in state.pt and its `have` give."""
-    if os.path.exists(os.path.join(path, SAMPLES)):
+    consistency check, since its bytes cannot be checked: meta.json parses, state.pt loads
+    (weights only: `_load_state`), their steps agree, and the sample accounting in meta.json (per
+    epoch, and the batch total in `cluster`) is what the sample ids in state.pt and its `have` give."""
+    if os.path.lexists(os.path.join(path, SAMPLES)):
         raise CheckpointInvalid(path, f"{MANIFEST}-missing", "a checkpoint with samples.npz has a manifest")
     meta = _json(path, META, _read(path, META))
     if meta.get("format") == FORMAT:
         raise CheckpointInvalid(path, f"{MANIFEST}-missing", "meta.json says it was written with one")
-    import torch
-
+    state = _load_state(path)
     try:
-        state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=False)
         samples = {int(e): np.asarray(v, dtype=np.int64) for e, v in state["trained_samples"].items()}
-        if "model" not in state:
-            raise KeyError("model")
-    except FileNotFoundError:
-        raise CheckpointInvalid(path, f"{STATE}-missing", "not on disk") from None
-    except Exception as e:   # a torn zip, a torn pickle: whatever unpickling a damaged file raises
-        raise CheckpointInvalid(path, f"{STATE}-unreadable", f"{type(e).__name__}: {e}") from None
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        raise CheckpointInvalid(path, f"{STATE}-unreadable", f"trained_samples: {type(e).__name__}: {e}") from None
     have = _have(path, meta.get("have"), META)
-
-    def disagree(detail: str) -> CheckpointInvalid:
-        return CheckpointInvalid(path, "meta.json-disagrees", detail)
-
     if state.get("step") != meta.get("step"):
-        raise disagree(f"step: meta.json {meta.get('step')!r}, state.pt {state.get('step')!r}")
-    epoch = meta.get("epoch", 0)
-    for k, v in sample_stats(samples, epoch, 0).items():
-        if k in meta and not k.startswith("epoch_") and meta[k] != v:
-            raise disagree(f"{k}: meta.json {meta[k]!r}, the sample ids give {v}")
-    if "epochs" in meta and meta["epochs"] != epoch_stats(samples):
-        raise disagree("epochs: the per-epoch counts are not what the sample ids give")
+        raise CheckpointInvalid(path, "meta.json-disagrees",
+                                f"step: meta.json {meta.get('step')!r}, state.pt {state.get('step')!r}")
+    check_accounting(path, meta, samples)
     total = (meta.get("cluster") or {}).get("total", {}).get("batches_trained")
-    if total is not None and total != len(have):
-        raise disagree(f"have holds {len(have)} batches, cluster.total says {total}")
+    if total is not None and total != len(have):   # its `have` has no batch seqs beside it to check against
+        raise CheckpointInvalid(path, "meta.json-disagrees", f"have holds {len(have)} batches, cluster.total "
+                                f"says {total}")
     seqs = {e: np.full(len(v), -1, np.int64) for e, v in samples.items()}
     return Verified(path, meta, samples, seqs, have.copy(), legacy=True, state=state)
 
@@ -723,17 +817,14 @@ class TrainerState:
 
     @classmethod
     def load(cls, path: str) -> "TrainerState":
-        """Verify the checkpoint (verify_checkpoint), then load it. CheckpointInvalid when it fails;
-        nothing of it is unpickled before its digest is checked."""
+        """Verify the checkpoint (verify_checkpoint), then load it (weights only, `_load_state`).
+        CheckpointInvalid when it fails, Untrusted when another user controls it; nothing of it is
+        loaded before its digest is checked."""
         v = verify_checkpoint(path)
         meta, state = v.meta, v.state
         if state is None:
-            import torch
-
-            try:   # mapped, not read: the verification just brought its pages into the page cache
-                state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=False, mmap=True)
-            except Exception as e:   # its digest matched: this is no torn file, but never a traceback
-                raise CheckpointInvalid(path, f"{STATE}-unreadable", f"{type(e).__name__}: {e}") from None
+            # mapped, not read: the verification just brought its pages into the page cache
+            state = _load_state(path, mmap=True)
             if state.get("step") != meta["step"]:
                 raise CheckpointInvalid(path, f"{STATE}-disagrees", f"step {state.get('step')!r}, "
                                         f"meta.json and the manifest say {meta['step']}")
@@ -764,7 +855,9 @@ class TrainerState:
 
 def load_newest(out_dir: str, on_invalid: Callable[[CheckpointInvalid], None]) -> tuple[str, TrainerState] | None:
     """The newest checkpoint under out_dir that verifies, loaded; `on_invalid` is told of each newer
-    one that does not (the trainer moves it aside, `dfpipe export` says it skips it). None: none verifies."""
+    one that does not (the trainer moves it aside, `dfpipe export` says it skips it). None: none verifies.
+    Untrusted when another user controls out_dir, checkpoints/ or a checkpoint (`check_run_folder`)."""
+    check_run_folder(out_dir)
     for path in reversed(list_checkpoints(out_dir)):
         try:
             return path, TrainerState.load(path)
@@ -820,8 +913,11 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def inspect(path: str) -> dict[str, Any]:
     """What `dfpipe inspect` prints of one checkpoint: `verified` (ok, or the check it fails), the
-    meta, the accounting of the current epoch and (from checkpoints that carry it) of every epoch
-    before it and of each host's shard (`cluster`)."""
+    meta, and, of one that verifies, the exactly-once audit of the current epoch and of every epoch
+    (`epochs`) computed from its sample ids (meta.json's copies agree with them, or it fails
+    `meta.json-disagrees`), and each host's shard (`cluster`). Of one that fails, the audit is not
+    shown: nothing in it is believed. Untrusted when another user controls it."""
+    v: Verified | None = None
     try:
         v = verify_checkpoint(path)
         meta: dict[str, Any] | None = v.meta
@@ -835,8 +931,12 @@ def inspect(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"path": os.path.abspath(path), "verified": verdict}
     if not isinstance(meta, dict):
         return out
-    out.update({k: meta[k] for k in ("step", "epoch", *AUDIT_KEYS, "epochs", "cluster", "config_hash", "skipped_steps",
-                                     "time") if k in meta})
+    out.update({k: meta[k] for k in ("step", "epoch", "cluster", "config_hash", "skipped_steps", "time") if k in meta})
+    if v is not None:   # the plan's sizes from meta.json (no sample id says them), every count from the ids
+        stats = sample_stats(v.samples, meta.get("epoch", 0), meta.get("epoch_samples", 0),
+                             meta.get("epoch_documents", 0))
+        out.update({k: n for k, n in stats.items() if not k.startswith("epoch_") or k in meta})
+        out["epochs"] = epoch_stats(v.samples)
     try:
         out["batches"] = len(SeqSet.from_wire(meta.get("have"), max_ranges=1 << 62))
     except ProtocolError:
@@ -849,7 +949,8 @@ def inspect(path: str) -> dict[str, Any]:
 def inspect_run(out_dir: str) -> dict[str, Any]:
     """`dfpipe inspect` of a run folder: every checkpoint verified, newest first (`checkpoints`:
     name, step, verified), then the moved-aside ones; the rest is `inspect` of the newest that
-    verifies (no `verified` key when none does)."""
+    verifies (no `verified` key when none does). Untrusted when another user controls the run."""
+    check_run_folder(out_dir)
     reports = [inspect(p) for p in reversed(list_checkpoints(out_dir))]
     newest = next((r for r in reports if r["verified"].startswith("ok")), None)
     out: dict[str, Any] = dict(newest) if newest else {}

@@ -248,7 +248,7 @@ def _as_before_plans_and_manifests(path: Path) -> dict:
     import numpy as np
     import torch
 
-    state = torch.load(path / "state.pt", weights_only=False)
+    state = torch.load(path / "state.pt", weights_only=True)   # what the trainer saves loads weights-only
     with np.load(path / "samples.npz") as z:
         state["trained_samples"] = {int(k[4:]): z[k] for k in z.files if k.startswith("ids_")}
     torch.save(state, path / "state.pt")
