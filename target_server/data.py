@@ -216,10 +216,10 @@ def _deeper_than(value: Any, limit: int) -> bool:
     stack = [(value, 1)]
     while stack:
         value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        if children and depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
     return False
 
 
@@ -273,10 +273,14 @@ def _parquet_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
                     number += 1
                     yield number, row, reason
         except (pa.ArrowException, OSError) as e:
-            reason = f"unreadable Parquet row group {group}: {type(e).__name__}: {e}"
+            reason = f"unreadable Parquet row group {group}: {type(e).__name__}: {_one_line(e)}"
             while number < end:
                 number += 1
                 yield number, None, reason
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())   # pyarrow's messages span lines; a reason is one
 
 
 def _batch_rows(batch: Any, max_bytes: int) -> Iterator[tuple[Any, str]]:
@@ -295,7 +299,7 @@ def _batch_rows(batch: Any, max_bytes: int) -> Iterator[tuple[Any, str]]:
         try:
             row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
         except Exception as e:
-            yield None, f"unreadable Parquet row: {type(e).__name__}: {e}"
+            yield None, f"unreadable Parquet row: {type(e).__name__}: {_one_line(e)}"
             continue
         yield (None, too_deep()) if _deeper_than(row, MAX_ROW_DEPTH) else (_drop_nulls(row), "")
 
@@ -692,35 +696,39 @@ class _Encoded:
     learns: bool        # some token of the whole view is 1 (beyond a cut: a generated span reaches past it)
 
 
-def _unchanged_by_cut(words: list[int | None]) -> int:
-    """How many leading tokens of a text cut at its end are those of the uncut text. A tokenizer
-    splits text at special tokens and with its pre-tokenizer (a regex such as Qwen's) into words,
-    and tokenizes each word alone: a cut changes the word it falls in, and the word before where
-    the regex looks one character ahead (`\\s+(?!\\S)`); tokens of earlier words stay. A tokenizer
-    that does not split words (one word: the whole text) keeps none, so it is never cut."""
-    if not words or words[-1] is None:
+def _unchanged_by_cut(words: list[int | None], offsets: list[tuple[int, int]], size: int, reach: int) -> int:
+    """How many leading tokens of a text cut after `size` characters are those of the uncut text.
+
+    A tokenizer matches its added tokens (`<|im_end|>`, `<think>`...; `reach`: the longest one's
+    length) first, splits the rest into words with its pre-tokenizer (a regex such as Qwen's) and
+    tokenizes each word alone. So a cut can change the words within `reach` characters of it (an
+    added token the cut falls into starts there), and the word before those, where a regex looks a
+    character ahead (`\\s+(?!\\S)`); tokens of earlier words stay. A tokenizer that does not split
+    words (one word: the whole text) keeps none, so its views are never cut."""
+    first = next((i for i, (_, end) in enumerate(offsets) if end > size - reach), len(offsets) - 1)
+    if first < 0 or words[first] is None:
         return 0
-    last = words[-1]
-    return next((i for i, word in enumerate(words) if word is None or word >= last - 1), len(words))
+    near = words[first]
+    return next((i for i, word in enumerate(words) if word is None or word >= near - 1), len(words))
 
 
-def _encode_views(tokenizer: Any, views: list[View], keep: int | None,
-                  chars_per_token: int = _CHARS_PER_TOKEN) -> list[_Encoded]:
+def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_Encoded]:
     """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask.
 
     keep None: every token (overlong split). Else only the first `keep` are needed: a longer text is
-    tokenized as a prefix of keep * chars_per_token characters, 4x longer while fewer than `keep`
+    tokenized as a prefix of keep * _CHARS_PER_TOKEN characters, 4x longer while fewer than `keep`
     of its tokens are certain to be the uncut text's (`_unchanged_by_cut`), so a 200 MB answer costs
     the tokens kept, not 50M tokens; the ids and mask kept are exactly those of the whole text."""
     if not views:
         return []
-    bound = None if keep is None else keep * chars_per_token
+    bound = None if keep is None else keep * _CHARS_PER_TOKEN
+    reach = max((len(t.content) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()), default=1)
     texts = [text if bound is None or len(text) <= bound else text[:bound] for text, _ in views]
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     out = []
     for i, ((text, spans), cut) in enumerate(zip(views, texts)):
         ids, offsets, words, size = encoded["input_ids"][i], encoded["offset_mapping"][i], encoded.word_ids(i), len(cut)
-        while size < len(text) and _unchanged_by_cut(words) < keep:
+        while size < len(text) and _unchanged_by_cut(words, offsets, size, reach) < keep:
             size = min(len(text), size * 4)
             again = tokenizer([text[:size]], add_special_tokens=False, return_offsets_mapping=True)
             ids, offsets, words = again["input_ids"][0], again["offset_mapping"][0], again.word_ids(0)
