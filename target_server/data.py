@@ -50,7 +50,9 @@ row) index (stable across re-preparation, whatever else changes in the file belo
 `line` numbers are 1-based, as an editor or `sed -n 'Lp'` shows them, so `line == sample_id + 1`.
 
 No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
-both counted) or listed in the report with its line number and the reason; a source without a
+both counted) or listed in the report with its line number and the reason (a row larger than
+max_row_bytes, never parsed; nested deeper than MAX_ROW_DEPTH; a number past Python's int-string
+limit; a Parquet row or row group pyarrow cannot read), and the file goes on; a source without a
 single usable row is an error that first says what is wrong with the file, when its first bytes
 show it (a JSON array, Latin-1 or UTF-16 text, gzip), and the command that fixes it, then the first
 rows' own reasons. A UTF-8 byte-order mark at the start of a file is accepted. `dfpipe eval` reads
@@ -843,8 +845,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     def flush(pending: list[tuple[int, list[View] | str]]) -> None:
         nonlocal max_token_id
-        encoded = iter(_encode_views(tokenizer, [v for _, views in pending if not isinstance(views, str) for v in views],
-                                     keep))
+        views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
+        encoded = iter(_encode_views(tokenizer, views_to_encode, keep))
         for line, views in pending:
             docs = views if isinstance(views, str) else _documents([next(encoded) for _ in views], max_len,
                                                                    overlong, report)
@@ -1067,7 +1069,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=None, help="longest document in tokens (default data.max_len)")
     parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default=None, help="default data.overlong")
     parser.add_argument("--max-row-bytes", type=int, default=None,
-                        help="a larger row (JSONL line, Parquet row) is a bad row, not parsed (default data.max_row_bytes)")
+                        help="a larger row (JSONL line, Parquet row) is a bad row, never parsed "
+                             "(default data.max_row_bytes)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template, a file or inline text; any template works, generation markers "
                              "are not needed (default data.chat_template, else the tokenizer's own)")

@@ -158,7 +158,8 @@ def _views(tokenizer) -> list:
     renderer = data._Renderer(tokenizer, tokenizer.chat_template, {}, tuple(data._special_tokens(tokenizer)))
     views = []
     for text in TRICKY:
-        conversation = data.Conversation([{"role": "user", "content": text[:20]}, {"role": "assistant", "content": text},
+        conversation = data.Conversation([{"role": "user", "content": text[:20]},
+                                          {"role": "assistant", "content": text},
                                           {"role": "user", "content": "more"}, {"role": "assistant", "content": text}])
         views += renderer.views(conversation)
     return views
@@ -220,3 +221,19 @@ def test_what_a_cut_can_change_ends_the_tokens_kept():
     assert data._unchanged_by_cut([0, 1, 1, 2, 3, 3], one_char, 6, 3) == 1   # an added token of 3 may start at 4
     assert data._unchanged_by_cut([0, None, 1, 2, 3, 4], one_char, 6, 1) == 1  # a token of no word ends what is known
     assert data._unchanged_by_cut([], [], 6, 1) == 0
+
+
+def test_the_target_server_preparing_data_at_start_applies_data_max_row_bytes(tmp_path):
+    from common.config import load_config
+
+    rows = [json.dumps(s) for s in toy_corpus.generate(3, seed=4)]
+    src = _write_lines(tmp_path / "chat.jsonl", [rows[0], "[" * 100_000, rows[1], HUGE, rows[2]])
+    prepared = {}
+    for limit in (LIMIT, 2 * LIMIT):
+        cfg = load_config(None, [f"data.train_path={src}", f"target.tokenizer={DEMO_TOKENIZER}",
+                                 f"target.cache_dir={tmp_path / 'cache'}", f"data.max_row_bytes={limit}"])
+        prepared[limit] = data.ensure_prepared(cfg)
+    small, large = prepared[LIMIT], prepared[2 * LIMIT]
+    assert small.path != large.path            # the limit is part of the cache key
+    assert small.sample_ids.tolist() == [0, 2, 4] and large.sample_ids.tolist() == [0, 2, 3, 4]
+    assert small.meta["report"]["bad"] == [[2, DEEP], [4, f"larger than max_row_bytes: {len(HUGE)} > {LIMIT} bytes"]]
