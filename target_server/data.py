@@ -179,7 +179,7 @@ def _looks_like(raw: bytes) -> str:
     return "UTF-16" if raw.startswith(UTF16_BOMS) or b"\x00" in raw else "Latin-1 (or Windows-1252)"
 
 
-def oversize(size: int, limit: int) -> str:
+def _oversize(size: int, limit: int) -> str:
     return f"larger than max_row_bytes: {size} > {limit} bytes"
 
 
@@ -198,7 +198,7 @@ def read_lines(path: str, max_bytes: int = DataConfig.max_row_bytes) -> Iterator
                     size += len(raw)
             size -= len(raw) - len(raw.rstrip(b"\r\n"))   # the line ending is not the row's
             if size > max_bytes:
-                yield number, None, oversize(size, max_bytes)
+                yield number, None, _oversize(size, max_bytes)
                 continue
             raw = raw.rstrip(b"\r\n")
             if number == 1:
@@ -225,11 +225,11 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def too_deep() -> str:
+def _too_deep() -> str:
     return f"nested deeper than {MAX_ROW_DEPTH} levels"
 
 
-def parse_json(text: str) -> tuple[Any, str]:
+def _parse_json(text: str) -> tuple[Any, str]:
     """(value, "") for JSON text, else (None, reason): not JSON, nested deeper than MAX_ROW_DEPTH (the
     C parser raises RecursionError near 1000 levels; shallower ones are measured), or a number
     with more digits than Python converts (sys.get_int_max_str_digits: ValueError)."""
@@ -238,10 +238,10 @@ def parse_json(text: str) -> tuple[Any, str]:
     except json.JSONDecodeError as e:
         return None, f"not JSON: {e.msg} at column {e.colno}"
     except RecursionError:
-        return None, too_deep()
+        return None, _too_deep()
     except ValueError:  # json.loads' one other ValueError: int() of a number past Python's int-string limit
         return None, f"number with more than {sys.get_int_max_str_digits()} digits"
-    return (None, too_deep()) if _deeper_than(value, MAX_ROW_DEPTH) else (value, "")
+    return (None, _too_deep()) if _deeper_than(value, MAX_ROW_DEPTH) else (value, "")
 
 
 def _jsonl_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
@@ -252,7 +252,7 @@ def _jsonl_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
         elif not text.strip():
             yield number, None, "empty line"
         else:
-            yield number, *parse_json(text)
+            yield number, *_parse_json(text)
 
 
 def _parquet_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
@@ -296,14 +296,14 @@ def _batch_rows(batch: Any, max_bytes: int) -> Iterator[tuple[Any, str]]:
         rows = None
     for i, size in enumerate(sizes):
         if size > max_bytes:
-            yield None, oversize(size, max_bytes)
+            yield None, _oversize(size, max_bytes)
             continue
         try:
             row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
         except Exception as e:
             yield None, f"unreadable Parquet row: {type(e).__name__}: {_one_line(e)}"
             continue
-        yield (None, too_deep()) if _deeper_than(row, MAX_ROW_DEPTH) else (_drop_nulls(row), "")
+        yield (None, _too_deep()) if _deeper_than(row, MAX_ROW_DEPTH) else (_drop_nulls(row), "")
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -475,7 +475,7 @@ def parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None,
         messages.append(message)
     tools = row.get("tools")
     if isinstance(tools, str):  # some files (LLaMA-Factory's ShareGPT) keep the tool schemas as a JSON string
-        tools, reason = parse_json(tools) if tools.strip() else (None, "")
+        tools, reason = _parse_json(tools) if tools.strip() else (None, "")
         if reason:
             return None, f"invalid tools: {reason}"
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -729,7 +729,8 @@ def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     out = []
     for i, ((text, spans), cut) in enumerate(zip(views, texts)):
-        ids, offsets, words, size = encoded["input_ids"][i], encoded["offset_mapping"][i], encoded.word_ids(i), len(cut)
+        ids, offsets, size = encoded["input_ids"][i], encoded["offset_mapping"][i], len(cut)
+        words = encoded.word_ids(i) if size < len(text) else []     # only a cut text asks which words changed
         while size < len(text) and _unchanged_by_cut(words, offsets, size, reach) < keep:
             size = min(len(text), size * 4)
             again = tokenizer([text[:size]], add_special_tokens=False, return_offsets_mapping=True)
