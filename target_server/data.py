@@ -705,8 +705,9 @@ def _unchanged_by_cut(words: list[int | None], offsets: list[tuple[int, int]], s
     length) first, splits the rest into words with its pre-tokenizer (a regex such as Qwen's) and
     tokenizes each word alone. So a cut can change the words within `reach` characters of it (an
     added token the cut falls into starts there), and the word before those, where a regex looks a
-    character ahead (`\\s+(?!\\S)`); tokens of earlier words stay. A tokenizer that does not split
-    words (one word: the whole text) keeps none, so its views are never cut."""
+    character ahead (`\\s+(?!\\S)`); tokens of earlier words stay. A tokenizer without a
+    pre-tokenizer keeps the tokens before the added token nearest the cut (the text between two is
+    one word). tests/test_row_limits.py checks every cut against the whole text, for four kinds."""
     first = next((i for i, (_, end) in enumerate(offsets) if end > size - reach), len(offsets) - 1)
     if first < 0 or words[first] is None:
         return 0

@@ -180,6 +180,41 @@ def test_a_cut_view_keeps_exactly_the_ids_and_mask_of_the_whole_view(tokenizer, 
     assert cuts > 200
 
 
+def _other_tokenizer(pre_tokenizer: str):
+    """A BPE tokenizer trained on the views' own text, with the demo's special tokens, an NFC
+    normalizer (as Qwen's) and a pre-tokenizer unlike the demo's byte-level regex."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from target_server.tokenizer import SPECIAL_TOKENS
+
+    demo = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = {"metaspace": pre_tokenizers.Metaspace(), "whitespace": pre_tokenizers.Whitespace(),
+                             "none": None}[pre_tokenizer]
+    texts = [text for text, _ in _views(demo)]
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS))
+    other = PreTrainedTokenizerFast(tokenizer_object=backend)
+    other.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    return other, demo
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["metaspace", "whitespace", "none"])
+def test_the_cut_is_exact_with_other_pre_tokenizers_and_without_one(monkeypatch, pre_tokenizer):
+    other, demo = _other_tokenizer(pre_tokenizer)
+    monkeypatch.setattr(data, "_CHARS_PER_TOKEN", 1)
+    cuts = 0
+    for view in _views(demo):
+        (whole,) = data._encode_views(other, [view], None)
+        for keep in range(1, len(whole.ids) + 2, 2):
+            (cut,) = data._encode_views(other, [view], keep)
+            cuts += not cut.whole
+            n = len(whole.ids) if cut.whole else keep
+            assert cut.ids.tolist() == whole.ids[:n].tolist() and cut.mask.tolist() == whole.mask[:n].tolist()
+    assert cuts > 10   # without a pre-tokenizer, at the special tokens only: the text between two is one word
+
+
 def test_a_long_answer_costs_the_tokens_kept_not_its_length(tokenizer):
     text = "The quick brown fox jumps over the lazy dog, 12345 times. " * 20_000     # 1.2M characters
     (view,) = data._Renderer(tokenizer, tokenizer.chat_template, {}, ()).views(data.Conversation(
