@@ -42,6 +42,10 @@ class DataConfig:
     token_budget: int = 4096            # tokens per packed batch (one fixed shape)
     max_len: int = 3072                 # longest sample kept as one document
     overlong: str = "truncate"          # truncate | split | skip
+    # A larger row (JSONL line, Parquet row) is a bad row, refused unparsed: above any conversation a 262K-token
+    # context holds (~1 MiB of text, ~6 MiB as \u-escaped JSON), yet a row tokenized whole (overlong: split)
+    # stays within a few GB of memory (README "Your data").
+    max_row_bytes: int = 16 << 20
     format: str = "auto"                # chat rows: auto (per file) | openai (messages) | sharegpt (conversations)
     chat_template: str = ""             # Jinja file or inline text rendering the rows; "": the tokenizer's own
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: enable_thinking: false

@@ -50,7 +50,9 @@ row) index (stable across re-preparation, whatever else changes in the file belo
 `line` numbers are 1-based, as an editor or `sed -n 'Lp'` shows them, so `line == sample_id + 1`.
 
 No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
-both counted) or listed in the report with its line number and the reason; a source without a
+both counted) or listed in the report with its line number and the reason (a row larger than
+max_row_bytes, never parsed; nested deeper than MAX_ROW_DEPTH; a number past Python's int-string
+limit; a Parquet row or row group pyarrow cannot read), and the file goes on; a source without a
 single usable row is an error that first says what is wrong with the file, when its first bytes
 show it (a JSON array, Latin-1 or UTF-16 text, gzip), and the command that fixes it, then the first
 rows' own reasons. A UTF-8 byte-order mark at the start of a file is accepted. `dfpipe eval` reads
@@ -72,7 +74,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from common.config import Config, ConfigError, load_config
+from common.config import Config, ConfigError, DataConfig, load_config
 from common.preflight import tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,12 @@ EXPECTED_FORMATS = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 _ENCODE_BATCH = 256
+# Deeper rows are bad rows. Chat rows and their tool schemas nest a few tens of levels at most; the
+# parsers and templates that walk a row recurse once per level, against Python's recursion limit (1000).
+MAX_ROW_DEPTH = 100
+# A view's text tokenized under truncate/skip is first cut to (max_len + 1) * this many characters,
+# and cut again 4x longer while that holds too few tokens (`_encode_views`): most tokens are shorter.
+_CHARS_PER_TOKEN = 8
 
 
 class DataError(ValueError):
@@ -172,12 +180,27 @@ def _looks_like(raw: bytes) -> str:
     return "UTF-16" if raw.startswith(UTF16_BOMS) or b"\x00" in raw else "Latin-1 (or Windows-1252)"
 
 
-def read_lines(path: str) -> Iterator[tuple[int, str | None, str]]:
+def _oversize(size: int, limit: int) -> str:
+    return f"larger than max_row_bytes: {size} > {limit} bytes"
+
+
+def read_lines(path: str, max_bytes: int = DataConfig.max_row_bytes) -> Iterator[tuple[int, str | None, str]]:
     """(1-based line, text, "") or (line, None, reason) for each line of a UTF-8 text file; a UTF-8
     BOM at the start of the file is dropped. Binary on purpose: only b'\\n' ends a line (text mode
-    would also split at a lone '\\r', shifting every later line number)."""
+    would also split at a lone '\\r', shifting every later line number). A line over `max_bytes` is
+    never held whole: it is read in 1 MiB pieces, counted and reported."""
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while raw := f.readline(max_bytes + 2):     # + 2: room for a line of max_bytes and its "\r\n"
+            number += 1
+            size = len(raw)
+            if len(raw) == max_bytes + 2 and not raw.endswith(b"\n"):  # unfinished: count the rest of the line
+                while not raw.endswith(b"\n") and (raw := f.readline(1 << 20)):
+                    size += len(raw)
+            size -= len(raw) - len(raw.rstrip(b"\r\n"))   # the line ending is not the row's
+            if size > max_bytes:
+                yield number, None, _oversize(size, max_bytes)
+                continue
             raw = raw.rstrip(b"\r\n")
             if number == 1:
                 raw = raw.removeprefix(UTF8_BOM)
@@ -190,22 +213,54 @@ def read_lines(path: str) -> Iterator[tuple[int, str | None, str]]:
             yield number, text, ""
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[int, Any, str]]:
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests lists and objects more than `limit` levels (the value itself is
+    level 1). Iterative: the walk itself must not recurse."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def _too_deep() -> str:
+    return f"nested deeper than {MAX_ROW_DEPTH} levels"
+
+
+def _parse_json(text: str) -> tuple[Any, str]:
+    """(value, "") for JSON text, else (None, reason): not JSON, nested deeper than MAX_ROW_DEPTH (the
+    C parser raises RecursionError near 1000 levels; shallower ones are measured), or a number
+    with more digits than Python converts (sys.get_int_max_str_digits: ValueError)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"not JSON: {e.msg} at column {e.colno}"
+    except RecursionError:
+        return None, _too_deep()
+    except ValueError:  # json.loads' one other ValueError: int() of a number past Python's int-string limit
+        return None, f"number with more than {sys.get_int_max_str_digits()} digits"
+    return (None, _too_deep()) if _deeper_than(value, MAX_ROW_DEPTH) else (value, "")
+
+
+def _jsonl_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
     """(1-based line, object, "") or (line, None, reason)."""
-    for number, text, reason in read_lines(path):
+    for number, text, reason in read_lines(path, max_bytes):
         if text is None:
             yield number, None, reason
         elif not text.strip():
             yield number, None, "empty line"
         else:
-            try:
-                yield number, json.loads(text), ""
-            except json.JSONDecodeError as e:
-                yield number, None, f"not JSON: {e.msg} at column {e.colno}"
+            yield number, *_parse_json(text)
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[int, Any, str]]:
-    """(1-based row, row as a dict, ""), read a record batch at a time (bounded memory)."""
+def _parquet_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
+    """(1-based row, row as a dict, "") or (row, None, reason), read a record batch at a time (bounded
+    memory). A row group pyarrow cannot decode (a damaged page) makes each of its rows not yet read
+    a bad row: which of them the damage holds is unknown; the file goes on with the next group."""
+    import pyarrow as pa
     import pyarrow.parquet as pq  # only where a Parquet file is read
 
     try:
@@ -213,10 +268,43 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any, str]]:
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError... for an unreadable file
         raise DataError(f"{path}: not a readable Parquet file: {e}") from e
     number = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, _drop_nulls(row), ""
+    for group in range(parquet.num_row_groups):
+        end = number + parquet.metadata.row_group(group).num_rows
+        try:
+            for batch in parquet.iter_batches(batch_size=1024, row_groups=[group]):
+                for row, reason in _batch_rows(batch, max_bytes):
+                    number += 1
+                    yield number, row, reason
+        except (pa.ArrowException, OSError) as e:
+            reason = f"unreadable Parquet row group {group}: {type(e).__name__}: {_one_line(e)}"
+            while number < end:
+                number += 1
+                yield number, None, reason
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())   # pyarrow's messages span lines; a reason is one
+
+
+def _batch_rows(batch: Any, max_bytes: int) -> Iterator[tuple[Any, str]]:
+    """(row, "") or (None, reason) for each row of a pyarrow RecordBatch. A row's size is the bytes
+    of its Arrow buffers (a slice's nbytes counts only its own), checked before it becomes Python
+    objects; a row pyarrow cannot convert (a timestamp past year 9999...) is a bad row of its own."""
+    sizes = [batch.slice(i, 1).nbytes for i in range(batch.num_rows)]
+    try:
+        rows = batch.to_pylist() if max(sizes, default=0) <= max_bytes else None
+    except Exception:  # pyarrow and datetime raise several types: find the row, one at a time below
+        rows = None
+    for i, size in enumerate(sizes):
+        if size > max_bytes:
+            yield None, _oversize(size, max_bytes)
+            continue
+        try:
+            row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
+        except Exception as e:
+            yield None, f"unreadable Parquet row: {type(e).__name__}: {_one_line(e)}"
+            continue
+        yield (None, _too_deep()) if _deeper_than(row, MAX_ROW_DEPTH) else (_drop_nulls(row), "")
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -229,8 +317,8 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
-def _source_rows(path: str) -> Iterator[tuple[int, Any, str]]:
-    return _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
+def _source_rows(path: str, max_bytes: int) -> Iterator[tuple[int, Any, str]]:
+    return _parquet_rows(path, max_bytes) if path.endswith(".parquet") else _jsonl_rows(path, max_bytes)
 
 
 def detect_format(row: dict[str, Any]) -> str | None:
@@ -388,10 +476,9 @@ def parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None,
         messages.append(message)
     tools = row.get("tools")
     if isinstance(tools, str):  # some files (LLaMA-Factory's ShareGPT) keep the tool schemas as a JSON string
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as e:
-            return None, f"invalid tools: not JSON: {e.msg}"
+        tools, reason = _parse_json(tools) if tools.strip() else (None, "")
+        if reason:
+            return None, f"invalid tools: {reason}"
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         return None, "invalid tools: expected a list of JSON schemas"
     if control_tokens is not None:
@@ -533,12 +620,13 @@ class ChatRows:
     row format, named or (auto) decided by the first row holding 'messages' or 'conversations'."""
 
     def __init__(self, path: str, row_format: str = "auto", control_tokens: re.Pattern[str] | None = None,
-                 need_answer: bool = True) -> None:
+                 need_answer: bool = True, max_row_bytes: int = DataConfig.max_row_bytes) -> None:
         self.path, self.control_tokens, self.need_answer = path, control_tokens, need_answer
         self.format = None if row_format == "auto" else row_format
+        self.max_row_bytes = max_row_bytes
 
     def __iter__(self) -> Iterator[tuple[int, Conversation | None, str]]:
-        for line, row, reason in _source_rows(self.path):
+        for line, row, reason in _source_rows(self.path, self.max_row_bytes):
             if reason:
                 yield line, None, reason
                 continue
@@ -600,35 +688,84 @@ class _Renderer:
         return start + len(body) if self.end_tokens and body.endswith(self.end_tokens) else len(turn)
 
 
-def _tokenize(tokenizer: Any, views: list[View]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask: 1 on every
-    token whose characters overlap a generated span."""
+@dataclass
+class _Encoded:
+    """One view's tokens and loss mask: all of them, or (`whole` False) the first ones of a view
+    longer than the document keeps, cut before it was tokenized whole (`_encode_views`)."""
+
+    ids: np.ndarray     # int64
+    mask: np.ndarray    # uint8: 1 on tokens whose characters overlap a generated span
+    whole: bool
+    learns: bool        # some token of the whole view is 1 (beyond a cut: a generated span reaches past it)
+
+
+def _unchanged_by_cut(words: list[int | None], offsets: list[tuple[int, int]], size: int, reach: int) -> int:
+    """How many leading tokens of a text cut after `size` characters are those of the uncut text.
+
+    A tokenizer matches its added tokens (`<|im_end|>`, `<think>`...; `reach`: the longest one's
+    length) first, splits the rest into words with its pre-tokenizer (a regex such as Qwen's) and
+    tokenizes each word alone. So a cut can change the words within `reach` characters of it (an
+    added token the cut falls into starts there), and the word before those, where a regex looks a
+    character ahead (`\\s+(?!\\S)`); tokens of earlier words stay. A tokenizer without a
+    pre-tokenizer keeps the tokens before the added token nearest the cut (the text between two is
+    one word). tests/test_row_limits.py checks every cut against the whole text, for four kinds."""
+    first = next((i for i, (_, end) in enumerate(offsets) if end > size - reach), len(offsets) - 1)
+    if first < 0 or words[first] is None:
+        return 0
+    near = words[first]
+    return next((i for i, word in enumerate(words) if word is None or word >= near - 1), len(words))
+
+
+def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_Encoded]:
+    """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask.
+
+    keep None: every token (overlong split). Else only the first `keep` are needed: a longer text is
+    tokenized as a prefix of keep * _CHARS_PER_TOKEN characters, 4x longer while fewer than `keep`
+    of its tokens are certain to be the uncut text's (`_unchanged_by_cut`), so a 200 MB answer costs
+    the tokens kept, not 50M tokens; the ids and mask kept are exactly those of the whole text."""
     if not views:
         return []
-    encoded = tokenizer([text for text, _ in views], add_special_tokens=False, return_offsets_mapping=True)
+    bound = None if keep is None else keep * _CHARS_PER_TOKEN
+    reach = max((len(t.content) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()), default=1)
+    texts = [text if bound is None or len(text) <= bound else text[:bound] for text, _ in views]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     out = []
-    for (_, spans), ids, offsets in zip(views, encoded["input_ids"], encoded["offset_mapping"]):
+    for i, ((text, spans), cut) in enumerate(zip(views, texts)):
+        ids, offsets, size = encoded["input_ids"][i], encoded["offset_mapping"][i], len(cut)
+        words = encoded.word_ids(i) if size < len(text) else []     # only a cut text asks which words changed
+        while size < len(text) and _unchanged_by_cut(words, offsets, size, reach) < keep:
+            size = min(len(text), size * 4)
+            again = tokenizer([text[:size]], add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets, words = again["input_ids"][0], again["offset_mapping"][0], again.word_ids(0)
+        whole = size >= len(text)
+        if not whole:
+            ids, offsets = ids[:keep], offsets[:keep]
         chars = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), dtype=bool)
         for a, b in spans:
             mask |= (chars[:, 0] < b) & (chars[:, 1] > a)
-        out.append((np.asarray(ids, dtype=np.int64), mask.astype(np.uint8)))
+        # Past a cut, a generated span reaching beyond the last kept token's end holds tokens learnt.
+        learns = bool(mask.any()) or (not whole and any(b > max(a, int(chars[-1, 1])) for a, b in spans))
+        out.append(_Encoded(np.asarray(ids, dtype=np.int64), mask.astype(np.uint8), whole, learns))
     return out
 
 
-def _documents(views: list[tuple[np.ndarray, np.ndarray]], max_len: int, overlong: str, report: PrepareReport
+def _documents(views: list[_Encoded], max_len: int, overlong: str, report: PrepareReport
                ) -> list[tuple[np.ndarray, np.ndarray]] | str:
     """The documents one row's encoded views become under the overlong policy, or the reason it becomes none."""
-    if all(len(ids) == 0 for ids, _ in views):
+    if all(len(v.ids) == 0 for v in views):
         return "empty: the template produced no tokens"
-    if not any(mask.any() for _, mask in views):
+    if not any(v.learns for v in views):
         return "no assistant tokens"
-    longest = max(len(ids) for ids, _ in views)
+    longest = max(len(v.ids) for v in views)
     if overlong == "skip" and longest > max_len:
-        return f"longer than max_len: {longest} > {max_len} tokens"
+        if all(v.whole for v in views):
+            return f"longer than max_len: {longest} > {max_len} tokens"
+        return f"longer than max_len: more than {max_len} tokens"  # a cut view is not counted further
     docs: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = 0
-    for ids, mask in views:
+    for v in views:
+        ids, mask = v.ids, v.mask
         if len(ids) <= max_len:
             pieces = [(ids, mask)]
         elif overlong == "truncate":
@@ -671,13 +808,14 @@ def _publish(tmp: str, out_dir: str) -> None:
 
 def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 row_format: str = "auto") -> PrepareReport:
+                 row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes) -> PrepareReport:
     """Tokenize a chat JSONL or Parquet file into a prepared folder (input formats and layout in the
     module docstring).
 
     chat_template: a Jinja template, or a path to one, used instead of the tokenizer's own;
     chat_template_kwargs: variables it reads (e.g. {"enable_thinking": False}); row_format: auto
-    (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt.
+    (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt;
+    max_row_bytes: a larger row (JSONL line, Parquet row) is a bad row, never parsed.
     Bad rows are counted and listed, never fatal; a missing input, an unusable tokenizer or
     template, bad arguments or a source without one usable row raise DataError.
     """
@@ -687,6 +825,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         raise DataError(f"max_len must be at least 2 tokens, got {max_len}")
     if row_format != "auto" and row_format not in ROW_FORMATS:
         raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
+    if max_row_bytes < 1:
+        raise DataError(f"max_row_bytes must be at least 1, got {max_row_bytes}")
     if not os.path.isfile(source_path):
         raise DataError(f"input file not found: {source_path}")
     out_dir = os.path.normpath(out_dir)
@@ -696,7 +836,9 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     specials = _special_tokens(tokenizer)
     renderer = _Renderer(tokenizer, template, kwargs, tuple(specials))
     source_sha256 = file_sha256(source_path)
-    rows = ChatRows(source_path, row_format, _control_token_pattern(specials))
+    rows = ChatRows(source_path, row_format, _control_token_pattern(specials), max_row_bytes=max_row_bytes)
+    # Tokens a view needs: split keeps them all; truncate and skip max_len, and one more to tell a longer view.
+    keep = None if overlong == "split" else max_len + 1
 
     tmp = _prepare_out_dir(out_dir)
     report = PrepareReport()
@@ -704,11 +846,11 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     offsets, sample_ids = [0], []
     max_token_id = -1
 
-    def flush(pending: list[tuple[int, Conversation]]) -> None:
+    def flush(pending: list[tuple[int, list[View] | str]]) -> None:
         nonlocal max_token_id
-        rendered = [(line, renderer.views(conversation)) for line, conversation in pending]
-        encoded = iter(_tokenize(tokenizer, [v for _, views in rendered if not isinstance(views, str) for v in views]))
-        for line, views in rendered:
+        views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
+        encoded = iter(_encode_views(tokenizer, views_to_encode, keep))
+        for line, views in pending:
             docs = views if isinstance(views, str) else _documents([next(encoded) for _ in views], max_len,
                                                                    overlong, report)
             if isinstance(docs, str):
@@ -726,17 +868,22 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         pending.clear()
 
     try:
-        pending: list[tuple[int, Conversation]] = []
+        pending: list[tuple[int, list[View] | str]] = []   # rendered rows waiting to be tokenized together
+        pending_chars = 0
         for line, conversation, reason in rows:
             report.rows += 1
             if conversation is None:
                 # Rows reach the report in file order: flush what is pending before this one.
                 flush(pending)
+                pending_chars = 0
                 report.bad.append((line, reason))
                 continue
-            pending.append((line, conversation))
-            if len(pending) >= _ENCODE_BATCH:
+            views = renderer.views(conversation)
+            pending.append((line, views))
+            pending_chars += 0 if isinstance(views, str) else sum(len(text) for text, _ in views)
+            if len(pending) >= _ENCODE_BATCH or pending_chars > max_row_bytes:  # a batch of long rows is smaller
                 flush(pending)
+                pending_chars = 0
         flush(pending)
         if report.kept == 0:
             raise DataError(no_usable_rows(source_path, report))
@@ -755,7 +902,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
             "chat_template": template, "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
             "chat_template_kwargs": kwargs,
             "vocab_size": len(tokenizer), "max_token_id": max_token_id,
-            "max_len": max_len, "overlong": overlong,
+            "max_len": max_len, "overlong": overlong, "max_row_bytes": max_row_bytes,
             "num_documents": report.documents, "num_tokens": report.tokens, "num_loss_tokens": report.loss_tokens,
             "arrays": {name: dt.str for name, dt in ARRAYS.items()},
             "report": report.to_dict(),
@@ -874,7 +1021,7 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     """The data set named by `data.<source>` (train_path, or heldout_path for the held-out batches): a
     prepared folder as it is, or a chat .jsonl / .parquet prepared once into
     <target.cache_dir>/data/<name>-<key>/, key = digest of (file bytes, tokenizer files, max_len,
-    overlong, row format, chat template text and kwargs, format version); a later start with the
+    overlong, max_row_bytes, row format, chat template text and kwargs, format version); a later start with the
     same inputs reuses it, a changed template or kwarg prepares again."""
     path = cfg.resolve(getattr(cfg.data, source))
     if not path:
@@ -888,7 +1035,7 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     template = template_setting(cfg)
     template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
     inputs = [FORMAT_VERSION, file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
-              hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs]
+              hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs, d.max_row_bytes]
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]
     out_dir = os.path.join(cfg.resolve(cfg.target.cache_dir), "data", f"{name}-{key}")
@@ -899,7 +1046,7 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
             log.warning("prepared cache %s unusable (%s); preparing again", out_dir, e)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
-                          d.format)
+                          d.format, d.max_row_bytes)
     log.info("prepared %s -> %s\n%s", path, out_dir, report.summary())
     if report.bad:
         log.warning("%d bad rows in %s, listed in %s", len(report.bad), path, os.path.join(out_dir, "bad_rows.jsonl"))
@@ -922,6 +1069,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "detected per file")
     parser.add_argument("--max-len", type=int, default=None, help="longest document in tokens (default data.max_len)")
     parser.add_argument("--overlong", choices=OVERLONG_POLICIES, default=None, help="default data.overlong")
+    parser.add_argument("--max-row-bytes", type=int, default=None,
+                        help="a larger row (JSONL line, Parquet row) is a bad row, never parsed "
+                             "(default data.max_row_bytes)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template, a file or inline text; any template works, generation markers "
                              "are not needed (default data.chat_template, else the tokenizer's own)")
@@ -950,7 +1100,8 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         report = prepare_data(args.input, tokenizer_dir, args.out,
                               d.max_len if args.max_len is None else args.max_len, args.overlong or d.overlong,
                               template_setting(cfg) if args.chat_template is None else args.chat_template,
-                              kwargs, args.format or d.format)
+                              kwargs, args.format or d.format,
+                              d.max_row_bytes if args.max_row_bytes is None else args.max_row_bytes)
     except DataError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2

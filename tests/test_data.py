@@ -325,9 +325,9 @@ def test_bad_arguments_are_clear_errors_not_crashes(tmp_path):
                          "--out", str(tmp_path / "p")]) == 2
 
 
-def _prepare_cli(src: str, out: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def _prepare_cli(src: str, out: str, capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, str, str]:
     from dfpipe.cli import main as dfpipe_main
-    rc = dfpipe_main(["prepare-data", "--input", src, "--tokenizer", DEMO_TOKENIZER, "--out", out])
+    rc = dfpipe_main(["prepare-data", "--input", src, "--tokenizer", DEMO_TOKENIZER, "--out", out, *options])
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
