@@ -331,6 +331,8 @@ def _is_chat_file(path: str) -> bool:
         return True
     try:
         return isinstance(json.loads(first), (dict, list)) if first else False
+    except RecursionError:   # JSON nested too deep to parse: a chat row, reported bad by ChatRows
+        return True
     except ValueError:
         return False
 

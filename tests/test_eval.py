@@ -184,6 +184,18 @@ def test_prompts_file_chat_rows_use_turns_before_the_first_answer_and_count_bad_
         "<|im_start|>user\nSpell cat.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_first_row_nested_too_deep_is_a_bad_chat_row_not_a_crash(tmp_path: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    good = {"messages": [{"role": "user", "content": "Spell cat."}, {"role": "assistant", "content": "C-A-T."}]}
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n" + json.dumps(good) + "\n")
+    prompts = ev.load_prompts(str(path), tok)
+    assert prompts.kind == "chat" and prompts.source_lines == [2]
+    assert [line for line, _ in prompts.skipped] == [1]
+
+
 def test_every_row_prepare_data_accepts_is_a_prompt_and_the_rows_it_refuses_are_skipped(tmp_path: Any) -> None:
     from transformers import AutoTokenizer
 
