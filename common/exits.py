@@ -17,7 +17,7 @@ EXIT_OK = 0                       # finished, or stopped on request (the trainer
 EXIT_FAILED = 1                   # anything else (a crash, a lost peer, a bug): a restart may help
 EXIT_CONFIG = 2                   # a setting this host cannot run, or a bad config: one line names the key
 EXIT_BAD_STEPS = 3                # too many non-finite trainer steps in a row (it checkpointed first)
-EXIT_DISK_FULL = 4                # a folder the service writes (train.out_dir) cannot be written: full or read-only
+EXIT_DISK_FULL = 4                # train.out_dir cannot be written: a full or read-only disk, or not this user's to write
 EXIT_OUT_DIR_IN_USE = 5           # another trainer holds train.out_dir
 EXIT_PLAN_CHANGED = 6             # the target serves another data plan than the checkpoint's
 EXIT_NO_CHECKPOINT_VERIFIES = 7   # there are checkpoints and none of them verifies
@@ -29,8 +29,8 @@ WHY: dict[int, str] = {
     EXIT_FAILED: "failed (a crash, a lost peer, a bug): a restart may help",
     EXIT_CONFIG: "a setting this host cannot run or a bad config; the line names the key",
     EXIT_BAD_STEPS: "too many non-finite steps in a row (it checkpointed first)",
-    EXIT_DISK_FULL: "train.out_dir cannot be written (a full or read-only disk), at start or checkpoint after "
-                    "checkpoint",
+    EXIT_DISK_FULL: "train.out_dir cannot be written (a full or read-only disk, or not this user's), at start "
+                    "or checkpoint after checkpoint",
     EXIT_OUT_DIR_IN_USE: "another trainer holds train.out_dir",
     EXIT_PLAN_CHANGED: "the target serves another data plan than the checkpoint's",
     EXIT_NO_CHECKPOINT_VERIFIES: "there are checkpoints and none verifies",
@@ -62,15 +62,24 @@ def as_supervised(status: int, who: str, environ: Mapping[str, str] | None = Non
 
 # A disk that refuses writes: full, over quota, or mounted read-only. A restart meets the same disk.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+# A folder this user may not write in: the same, for a path inside train.out_dir.
+DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 
 
-def disk_error(error: BaseException) -> OSError | None:
-    """The OSError of a disk that refuses writes (DISK_ERRNOS) in `error`'s chain of causes (torch
-    wraps a failed write in RuntimeError), or None."""
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def disk_error(error: BaseException, out_dir: str) -> OSError | None:
+    """The OSError of a disk that refuses writes (DISK_ERRNOS), or of a path inside `out_dir` this
+    user may not write (DENIED_ERRNOS), in `error`'s chain of causes (torch wraps a failed write in
+    RuntimeError); None when there is none."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError) and cause.errno in DISK_ERRNOS:
+        if isinstance(cause, OSError) and (cause.errno in DISK_ERRNOS or (
+                cause.errno in DENIED_ERRNOS and cause.filename and _inside(os.fsdecode(cause.filename), out_dir))):
             return cause
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
@@ -78,12 +87,16 @@ def disk_error(error: BaseException) -> OSError | None:
 
 
 def cannot_write(error: OSError, out_dir: str) -> str:
-    """One line for a disk that refuses writes: the path (the error's, else the trainer's `out_dir`),
-    what the disk said, and the fix."""
+    """One line for a disk (`disk_error`) that refuses writes: the path (the error's, else the
+    trainer's `out_dir`), what the disk said, and the fix."""
     path = os.fsdecode(error.filename) if error.filename else out_dir
-    fix = ("make it writable (it is mounted read-only)" if error.errno == errno.EROFS
-           else f"free space there (`df -h {path}`)")
-    if os.path.commonpath([os.path.abspath(path), os.path.abspath(out_dir)]) == os.path.abspath(out_dir):
+    if error.errno == errno.EROFS:
+        fix = "make it writable (it is mounted read-only)"
+    elif error.errno in DENIED_ERRNOS:
+        fix = f"make it writable by this service's user (uid {os.geteuid()})"
+    else:
+        fix = f"free space there (`df -h {path}`)"
+    if _inside(path, out_dir):
         fix += ", or set train.out_dir to a disk with room"
     return (f"cannot write {path}: {error.strerror or os.strerror(error.errno or 0)} [errno {error.errno}]. "
             f"{fix[0].upper()}{fix[1:]}, and start it again: a restart before that meets the same disk "

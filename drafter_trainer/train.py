@@ -820,7 +820,7 @@ class Trainer:
                     log.warning("the export records no target (%s); `dfpipe export --target` adds it", e)
                     export_drafter(self.model, export_dir, target_precision=self.target_precision)
             except OSError as e:
-                full = disk_error(e)
+                full = disk_error(e, self.out_dir)
                 if full is None:
                     raise
                 log.error("training finished and %s holds it, but the export could not be written: %s. Its drafter "
@@ -899,7 +899,7 @@ def main(cfg: Config) -> int:
                  "checkpoint, nothing to save", e)
         rc = EXIT_OK
     except Exception as e:
-        full = disk_error(e)
+        full = disk_error(e, trainer.out_dir)
         if full is None:
             log.exception("trainer failed: %s", e)
         else:   # at start (the lock file, metrics.jsonl, TensorBoard) or while training: not a crash

@@ -313,7 +313,8 @@ def test_the_readme_s_table_of_exit_statuses_is_common_exits() -> None:
 
     rows = re.findall(r"^\| (\d+) \| (.+?) \| (yes|no) \|$", (REPO / "README.md").read_text(), re.M)
     assert {int(status) for status, _, _ in rows} == set(WHY), rows
-    for status, _why, restarted in rows:
+    for status, why, restarted in rows:
+        assert why == WHY[int(status)], (status, why)
         assert (restarted == "no") == (int(status) in FINAL_EXITS) or int(status) == 0, (status, restarted)
 
 
