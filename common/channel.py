@@ -23,11 +23,13 @@ rid like any other message.
 Who may connect (see docs/architecture.md, "Trust model"): an ipc:// socket file is made 0600 and
 a folder the server creates for it 0700, both set explicitly, not left to the umask, so only the
 service user can connect. A folder another user owns or can write in (not sticky), or a socket
-file of another user at the endpoint's path, is refused at bind, naming that user. Every message
-received on ipc:// carries the kernel's credentials of its sender (libzmq's "Peer-Address"
-property, `localhost:uid:gid:pid`): one whose uid is not trusted (the service's user, root,
-`service.allowed_uids`: common/trust.py) is dropped, counted (`bad_messages["foreign_uid"]`) and
-logged. `check_ipc_server` asks the kernel who bound an endpoint before a client sends it anything.
+file of another user at the endpoint's path, is refused at bind (`EndpointUntrusted`: the services
+exit with common.exits.EXIT_UNTRUSTED), naming that user and a folder of this user's own that
+would do. Every message received on ipc:// carries the kernel's credentials of its sender
+(libzmq's "Peer-Address" property, `localhost:uid:gid:pid`): one whose uid is not trusted (the
+service's user, root, `service.allowed_uids`: common/trust.py) is dropped, counted
+(`bad_messages["foreign_uid"]`) and logged. `check_ipc_server` asks the kernel who bound an
+endpoint before a client sends it anything.
 A tcp:// endpoint outside loopback is refused at bind unless ZeroMQ CURVE keys are configured
 (`CurveKeys`: libzmq's own encryption and key authentication; the server lets in only the
 configured client key).
@@ -61,7 +63,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from common.config import Config
 from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
-from common.trust import Peer, folder_problem, listener, owner_problem, private_dir, trusted_uids, who
+from common.trust import Peer, Untrusted, folder_problem, listener, own_folder, owner_problem, trusted_uids, who
 
 log = logging.getLogger("dfpipe.channel")
 
@@ -79,6 +81,10 @@ _LOG_FIRST = 10                  # log every bad frame of a kind up to this many
 class ChannelError(RuntimeError):
     """An endpoint that cannot be bound or connected (bad address, in use, path too long, another
     user's folder or socket)."""
+
+
+class EndpointUntrusted(ChannelError, Untrusted):
+    """An ipc:// endpoint another user controls: its folder, its socket file, or the process bound to it."""
 
 
 class RequestTimeout(TimeoutError):
@@ -108,10 +114,23 @@ def _check_endpoint(endpoint: str) -> None:
                            "(a kernel limit of unix sockets); use a shorter path")
 
 
-def _not_ours(endpoint: str, problem: str) -> ChannelError:
-    return ChannelError(f"endpoint {endpoint}: {problem}; another user could take the endpoint or read what is "
-                        f"sent to it. Set {ENDPOINT_KEYS} (whichever names it) to an ipc:// path in a folder of "
-                        f"this user's own, e.g. the default ipc://{private_dir()}/NAME.sock")
+def _not_ours(endpoint: str, problem: str, path: str) -> EndpointUntrusted:
+    """The refusal of `endpoint` because another user controls `path` (its folder, its socket file,
+    or the socket: "\0name" for an abstract one), with a fix that works: a folder of this user's own
+    that no one else has (never the refused one, which the default endpoint may well be), or having
+    `path` removed."""
+    if path.startswith("\0"):     # an abstract name: no file to remove, only a process to stop
+        refused, remove = "", "or have the process bound to it stopped"
+    else:
+        refused = path if os.path.isdir(path) and not os.path.islink(path) else os.path.dirname(path)
+        remove = f"or have {path} removed"
+    own = own_folder(refused)
+    name = os.path.basename(_ipc_path(endpoint) or "") or "target.sock"
+    fix = (f"Set {ENDPOINT_KEYS} (whichever names it; the target's on both services) to a socket in a folder of "
+           f"this user's own, e.g. ipc://{own}/{name}, {remove}" if own else
+           f"Set {ENDPOINT_KEYS} (whichever names it) to a socket in a folder of this user's own, {remove}")
+    return EndpointUntrusted(f"endpoint {endpoint}: {problem}; another user could take the endpoint or read what "
+                             f"is sent to it. {fix}")
 
 
 def _refuse_live_ipc(endpoint: str, path: str) -> None:
@@ -129,7 +148,7 @@ def _refuse_live_ipc(endpoint: str, path: str) -> None:
         raise ChannelError(f"endpoint {endpoint}: {path} exists and is not a socket")
     problem = owner_problem(path, st)
     if problem:
-        raise _not_ours(endpoint, problem)
+        raise _not_ours(endpoint, problem, path)
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
@@ -262,7 +281,7 @@ def _allow_client_key(ctx: zmq.Context, public: bytes) -> None:
 def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> None:
     """The socket's folder: created 0700 when missing; an existing one of the service user's own
     (not a shared sticky folder such as /tmp) set to 0700 too. The socket file itself is 0600.
-    Refused (ChannelError naming the owner) when a user outside `trusted` owns it, or may create
+    Refused (EndpointUntrusted naming the owner) when a user outside `trusted` owns it, or may create
     and replace names in it."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -277,10 +296,10 @@ def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> Non
     # a shared sticky folder (/tmp): the 0600 socket file is what keeps others out
     problem = folder_problem(folder, trusted)
     if problem:
-        raise _not_ours(endpoint, problem)
+        raise _not_ours(endpoint, problem, folder)
 
 
-def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[str | None, str | None]:
+def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[ChannelError | None, str | None]:
     """Before binding (a service's preflight; nothing is created): why `endpoint` cannot be bound
     as the checks of `bind_router` would refuse it (its form, its ipc path's length, an existing
     folder of a user outside the trusted ones), or None; and the folder of an ipc:// endpoint, which
@@ -288,7 +307,7 @@ def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[s
     try:
         _check_endpoint(endpoint)
     except ChannelError as e:
-        return str(e), None
+        return e, None
     path = _ipc_path(endpoint)
     if path is None:
         return None, None
@@ -296,7 +315,7 @@ def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[s
     if os.path.lexists(folder):
         problem = folder_problem(folder, trusted_uids(allowed_uids))
         if problem:
-            return str(_not_ours(endpoint, problem)), None
+            return _not_ours(endpoint, problem, folder), None
     return None, folder
 
 
@@ -311,8 +330,9 @@ def _unix_address(endpoint: str) -> str | None:
 def check_ipc_server(endpoint: str, allowed_uids: Iterable[int] = ()) -> bool:
     """Before a client sends an ipc:// server anything (a HELLO carries the session secret): True when
     a process of a trusted user (this one's, root, `allowed_uids`) listens at `endpoint`, False when
-    nobody does yet. Raises ChannelError naming the user when someone else bound it, or owns or can
-    write its folder. True for other transports (tcp: CURVE keys say who the server is)."""
+    nobody does yet. Raises EndpointUntrusted (a ChannelError and a common.trust.Untrusted) naming
+    the user when someone else bound it, or owns or can write its folder. True for other transports
+    (tcp: CURVE keys say who the server is)."""
     address = _unix_address(endpoint)
     if address is None:
         return True
@@ -320,19 +340,20 @@ def check_ipc_server(endpoint: str, allowed_uids: Iterable[int] = ()) -> bool:
     if not address.startswith("\0"):
         folder = os.path.dirname(os.path.abspath(address))
         if os.path.exists(folder) and (problem := folder_problem(folder, trusted)):
-            raise _not_ours(endpoint, problem)
+            raise _not_ours(endpoint, problem, folder)
     try:
         peer = listener(address)
     except PermissionError:
         st = os.stat(address)
-        raise _not_ours(endpoint, f"its socket file belongs to {who(st.st_uid)} and refuses this user") from None
+        raise _not_ours(endpoint, f"its socket file belongs to {who(st.st_uid)} and refuses this user",
+                        address) from None
     except OSError as e:
         raise ChannelError(f"endpoint {endpoint}: cannot ask who listens there: {e}") from None
     if peer is None:
         return False
     if peer.uid not in trusted:
-        raise ChannelError(f"endpoint {endpoint} is bound by {who(peer.uid)} (pid {peer.pid}), not by this "
-                           f"service's user, root or one of service.allowed_uids: sending it nothing")
+        raise _not_ours(endpoint, f"it is bound by {who(peer.uid)} (pid {peer.pid}), not by this service's user, "
+                                  "root or one of service.allowed_uids: sending it nothing", address)
     return True
 
 

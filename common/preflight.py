@@ -21,10 +21,16 @@ import tempfile
 from collections.abc import Callable
 
 from common.config import Config, ConfigError, default_layer_ids
+from common.trust import Untrusted
 
 BUILTIN_PREFIX = "builtin:"
 # Files a tokenizer folder holds at least one of (AutoTokenizer reads either).
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+
+
+class UntrustedConfig(ConfigError, Untrusted):
+    """Preflight problems of which one at least is a path or name another user controls: the
+    service exits with EXIT_UNTRUSTED (common/exits.py), not EXIT_CONFIG, as it would at bind."""
 
 
 class Problems:
@@ -32,10 +38,12 @@ class Problems:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.untrusted = False   # one of them is another user's folder or file
 
-    def add(self, problem: str | None) -> None:
+    def add(self, problem: str | None, untrusted: bool = False) -> None:
         if problem:
             self.lines.append(problem)
+            self.untrusted = self.untrusted or untrusted
 
     def check(self, fn: Callable[..., object], *args: object) -> bool:
         """Run a check that raises ConfigError at its first problem; keep the problem, go on. True when it passed."""
@@ -47,11 +55,13 @@ class Problems:
         return True
 
     def raise_all(self, service: str) -> None:
-        """One ConfigError holding every problem (the single one as it is), or nothing."""
+        """One ConfigError holding every problem (the single one as it is), or nothing; an
+        UntrustedConfig when another user controls something the service would use."""
+        error = UntrustedConfig if self.untrusted else ConfigError
         if len(self.lines) == 1:
-            raise ConfigError(self.lines[0])
+            raise error(self.lines[0])
         if self.lines:
-            raise ConfigError(f"the {service} cannot start with this config ({len(self.lines)} problems):\n"
+            raise error(f"the {service} cannot start with this config ({len(self.lines)} problems):\n"
                               + "\n".join(f"  - {line}" for line in self.lines))
 
 
@@ -181,6 +191,6 @@ def check_endpoint(problems: Problems, key: str, endpoint: str, allowed_uids: li
     from common.channel import endpoint_problem
 
     problem, folder = endpoint_problem(endpoint, allowed_uids)
-    problems.add(f"{key}: {problem}" if problem else None)
+    problems.add(f"{key}: {problem}" if problem else None, untrusted=isinstance(problem, Untrusted))
     if folder is not None:
         problems.add(writable_folder_problem(key, folder))

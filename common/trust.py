@@ -164,6 +164,23 @@ def private_dir(environ: Mapping[str, str] | None = None) -> str:
     return f"/tmp/dfpipe-{os.geteuid()}"
 
 
+def own_folder(refused: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """A folder for endpoints that no one but this user (and root) controls, not `refused` nor
+    inside it (a folder another user has, or can write in): `private_dir()`, else `~/.dfpipe` in a
+    home of this user's own; None when neither would do. Such a folder need not exist yet (the
+    server makes it 0700), but the folder it would be made in must be safe."""
+    trusted = trusted_uids()
+    refused = os.path.abspath(refused) if refused else ""   # "": none (an abstract socket name)
+    home = os.path.expanduser("~")
+    for candidate in (private_dir(environ), os.path.join(home, ".dfpipe") if os.path.isabs(home) else ""):
+        if not candidate or (refused and os.path.commonpath([candidate, refused]) == refused):
+            continue
+        exists = os.path.lexists(candidate)
+        if folder_problem(candidate if exists else os.path.dirname(candidate), trusted) is None:
+            return candidate
+    return None
+
+
 def listener(address: str) -> Peer | None:
     """Who listens on the unix socket `address` (a path, or "\\0name" for an abstract one): the
     credentials the kernel recorded when that process bound it. None when nobody listens there."""

@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
+from common.exits import EXIT_CONFIG, EXIT_UNTRUSTED, as_supervised
+from common.preflight import UntrustedConfig
 from common.liveness import stop_with_launcher
 from target_server.data import add_arguments as add_prepare_arguments
 
@@ -191,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_top)
 
     sub.add_parser("torchrun", add_help=False,
-                   help="torchrun (the same arguments), passing on a trainer rank's exit status 3-7 (the ones "
-                        "the deployments do not restart) instead of torchrun's 1")
+                   help="torchrun (the same arguments), passing on a trainer rank's exit status 2-8 (the ones "
+                        "the deployments do not restart: common/exits.py) instead of torchrun's 1")
 
     p = sub.add_parser("inspect", help="what a checkpoint holds (step, epoch, sample accounting) and whether it "
                                        "verifies (exit 1 when it does not)")
@@ -257,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
         return torchrun_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        status = int(args.fn(args) or 0)
     except ConfigError as e:
         print(f"dfpipe: config error: {e}", file=sys.stderr)
-        return 2
+        status = EXIT_UNTRUSTED if isinstance(e, UntrustedConfig) else EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
+    if args.fn in (cmd_target_server, cmd_trainer) and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # a service as its container's own process: under compose a final status ends it with 0 (a
+        # torchrun rank's status is `dfpipe torchrun`'s to pass on: a rank ending with 0 would not stop it)
+        status = as_supervised(status, "dfpipe target-server" if args.fn is cmd_target_server else "dfpipe trainer")
+    return status
 
 
 if __name__ == "__main__":

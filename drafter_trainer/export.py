@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from typing import Any
@@ -84,6 +85,20 @@ def target_fingerprint(target_config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
+def _save_weights(state: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, a failed write (a full disk) raised as the OSError it is: safetensors
+    raises its own SafetensorError("... (os error 28)") instead."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from e
+
+
 def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16,
                    target_dir: str | None = None, target_precision: str = "") -> None:
     """Write model's trainable weights (cast to dtype) and config to out_dir, atomically.
@@ -92,8 +107,6 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     recorded under the config's `dfpipe` key (None: nothing recorded, `dfpipe eval` then warns).
     target_precision: the precision the target ran in while it trained, recorded there too ("": none).
     """
-    from safetensors.torch import save_file
-
     cfg = model.config
     if cfg.num_target_layers <= max(cfg.target_layer_ids):
         raise ExportError(f"num_target_layers ({cfg.num_target_layers}) must be the target's layer count; "
@@ -118,7 +131,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = t
     tmp = f"{out_dir}.tmp-{tag}"
     os.makedirs(tmp)
     try:
-        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+        _save_weights(state, os.path.join(tmp, WEIGHTS_FILE))
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")

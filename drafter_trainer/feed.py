@@ -48,7 +48,7 @@ from common.protocol import (Ack, Announce, Commit, EpochEnd, Fenced, Hello, Pin
                              Welcome, check_plan, next_rid)
 from common.ring import ConsumerRing, ProducerRing, RingError, StaleSlot
 from common.seqset import SeqSet
-from common.trust import trusted_uids
+from common.trust import Untrusted, trusted_uids
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class RingFeed:
         self.counters = {"batches": 0, "stale_slots": 0, "bad_batches": 0, "fenced": 0, "duplicates": 0,
                          "reconnects": 0, "heldout": 0, "corrupt_payloads": 0}
         self.error: str = ""
+        self.endpoint_untrusted = False   # `error` says another user has the target endpoint (see _hello_if_ours)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"feed-rank{rank}", daemon=True)
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -140,8 +141,11 @@ class RingFeed:
         """What this rank waits for, in a line: a target server that runs (its last refusal, e.g.
         still loading), or that none runs. A server holds its rings' producer role from its start
         to its exit, so a role nobody holds is a server that exited (or never started), whatever
-        it answered last."""
+        it answered last. An endpoint another user has comes first: that is what this rank sees
+        there, and no server of ours can bind it until it is gone."""
         r = self.cfg.ring
+        if self.endpoint_untrusted:
+            return f"not saying HELLO: {self.error}"
         if not ProducerRing.role_held(r.shm_dir, r.name, 0):
             return (f"no target server is running for ring {r.name!r} (none was started, or it exited: its "
                     f"console says why); start one with `dfpipe target-server -c CONFIG`")
@@ -227,13 +231,15 @@ class RingFeed:
         svc = self.cfg.service
         try:
             if not check_ipc_server(svc.target_endpoint, svc.allowed_uids):
-                self.error = ""   # what was said about a listener gone since is no longer so
+                # what was said about a listener gone since is no longer so
+                self.error, self.endpoint_untrusted = "", False
                 return False
         except ChannelError as e:
             if str(e) != self.error:
                 log.error("rank %d: not saying HELLO: %s", self.rank, e)
-            self.error = str(e)
+            self.error, self.endpoint_untrusted = str(e), isinstance(e, Untrusted)
             return False
+        self.endpoint_untrusted = False
         self._hello(chan)
         return True
 

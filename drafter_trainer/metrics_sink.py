@@ -3,7 +3,9 @@ and Weights & Biases.
 
 metrics.jsonl is opened unbuffered: a line the disk refuses (a full disk) is lost at once and
 counted (`lines_lost`, in the trainer's status), never retried by every later flush, and it never
-stops training. TensorBoard and W&B get the record's scalars under the names `write` is given.
+stops training; nor does a TensorBoard record lost the same way (`tensorboard_lost`, logged). A
+TensorBoard folder that cannot be written at start is an OSError naming it (the trainer exits 4).
+TensorBoard and W&B get the record's scalars under the names `write` is given.
 """
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ class MetricsSink:
         os.makedirs(out_dir, exist_ok=True)
         self._jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "ab", buffering=0)
         self.lines_lost = 0
+        self.tensorboard_lost = 0
         self._tensorboard = None
         self._wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tensorboard = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            folder = os.path.join(out_dir, "tensorboard")
+            _check_writable(folder)
+            self._tensorboard = SummaryWriter(folder)
         if wandb_project:
             try:
                 import wandb
@@ -43,14 +48,39 @@ class MetricsSink:
             if self.lines_lost in (1, 10) or self.lines_lost % 1000 == 0:
                 log.error("metrics.jsonl: %d line(s) lost so far: %s", self.lines_lost, e)
         if self._tensorboard is not None:
-            for name, value in scalars.items():
-                self._tensorboard.add_scalar(name, value, step)
+            try:
+                for name, value in scalars.items():
+                    self._tensorboard.add_scalar(name, value, step)
+            except OSError as e:   # its writer thread died on a full disk: from now on every call says so
+                self.tensorboard_lost += 1
+                if self.tensorboard_lost in (1, 10) or self.tensorboard_lost % 1000 == 0:
+                    log.error("TensorBoard: %d record(s) lost so far: %s", self.tensorboard_lost, e)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tensorboard is not None:
-            self._tensorboard.close()
+            try:
+                self._tensorboard.close()
+            except OSError as e:
+                log.error("TensorBoard: its last records were lost: %s", e)
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _check_writable(folder: str) -> None:
+    """Make `folder` and write a byte into it, or raise OSError naming it (ENOSPC on a full disk).
+    TensorBoard writes its event file from a thread of its own, which on a full disk dies with a
+    traceback and leaves the error to whichever call comes next: said here first, in one line."""
+    probe = os.path.join(folder, f".probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, folder) from None

@@ -50,10 +50,13 @@ from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
 from common.config import Config, ConfigError, default_gamma, default_layer_ids
+from common.exits import (EXIT_BAD_STEPS, EXIT_CONFIG, EXIT_DISK_FULL, EXIT_FAILED, EXIT_NO_CHECKPOINT_VERIFIES,
+                          EXIT_OK, EXIT_OUT_DIR_IN_USE, EXIT_PLAN_CHANGED, EXIT_UNTRUSTED, cannot_write, disk_error)
 from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
+from common.trust import Untrusted
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
 from .checkpoint import (AUDIT_KEYS, FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir,
@@ -73,17 +76,6 @@ from .target_head import TargetHead, read_target_head, text_config
 from .warmup import CompileBehind, compiling_in_background, needs_compiling
 
 log = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_BAD_STEPS, EXIT_FAILED, EXIT_CHECKPOINT_FAILED = 0, 3, 1, 4
-EXIT_OUT_DIR_IN_USE = 5   # another trainer holds train.out_dir: restarting would not help
-EXIT_PLAN_CHANGED = 6     # the target serves another data plan than the checkpoint's: restarting would not help
-EXIT_CONFIG = 2           # a setting this host cannot run (as `dfpipe` says for a bad config)
-EXIT_NO_CHECKPOINT_VERIFIES = 7   # there are checkpoints and none verifies: restarting would not help
-# The statuses the deployments do not restart (systemd RestartPreventExitStatus; `dfpipe torchrun`
-# passes a rank's on instead of torchrun's own 1).
-FINAL_EXITS = (EXIT_CONFIG, EXIT_BAD_STEPS, EXIT_CHECKPOINT_FAILED, EXIT_OUT_DIR_IN_USE, EXIT_PLAN_CHANGED,
-               EXIT_NO_CHECKPOINT_VERIFIES)
-
 
 REFUSED = "\0"   # rank 0's pick, broadcast: no checkpoint verifies (the message follows)
 
@@ -229,6 +221,7 @@ class Trainer:
         self.last_loss = float("nan")
         self.last_checkpoint = ""
         self.last_checkpoint_batches = 0             # batches the last good checkpoint holds
+        self.last_checkpoint_holds: tuple[int, int, str] | None = None   # its (step, batches, plan id)
         self.acc_per_pos: list[float] = []
         self.tokens = 0                             # trained by all ranks together
         self.rate = TokenRate()                     # of `tokens`: status, metrics records, top, the demo
@@ -312,6 +305,7 @@ class Trainer:
             self.sample_seqs = {e: [v] for e, v in (r.sample_seqs or {}).items()}
             self.unattributed = r.unattributed.copy()
         self.last_checkpoint, self.last_checkpoint_batches = path, len(self.trained)
+        self.last_checkpoint_holds = (r.step, len(self.trained), str(r.plan.get("id", "")))
         self.resumed_plan = r.plan
         if r.config_hash != self.cfg.hash("drafter"):
             log.warning("resuming %s with a changed drafter config (was %s); architecture must still match",
@@ -364,15 +358,31 @@ class Trainer:
             optimizer=self.optimizer.state_dict(), rng=torch.get_rng_state(),
             drafter_config=dataclasses.asdict(self.model.config), split_fc=self.cfg.drafter.split_fc,
             target_precision=self.target_precision)
+        holds = (self.step, len(have), str(self.plan.get("id", "")))
         try:
             self.last_checkpoint, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
                                                     self.epoch_samples, self.hosts, self.epoch_documents)
         except OSError as e:
+            if holds == self.last_checkpoint_holds:
+                return self._same_state_not_saved_again(reason, e)
             return self._checkpoint_failed(reason, e)
         self.checkpoint_failures_in_row = 0
         self.last_checkpoint_batches = len(have)
+        self.last_checkpoint_holds = holds
         log.info("checkpoint %s (%s): %d batches, %s", self.last_checkpoint, reason, len(have),
                  {k: meta[k] for k in AUDIT_KEYS})
+        return True
+
+    def _same_state_not_saved_again(self, reason: str, error: OSError) -> bool:
+        """A failed save of the state the last good checkpoint already holds (the same step, plan and
+        batches: `have` only grows with steps), e.g. the end of training right after the last step's
+        periodic checkpoint on a disk with no room for a second copy: nothing is lost, so it counts
+        as saved (and never toward train.max_checkpoint_failures); the checkpoint stands as it is."""
+        self.checkpoint_failures += 1
+        self.last_checkpoint_error = f"step {self.step}: {error}"
+        log.warning("checkpoint at step %d (%s) could not be written again: %s. Nothing is lost: %s holds this "
+                    "same step and its %d batches, and stands", self.step, reason, error, self.last_checkpoint,
+                    self.last_checkpoint_batches)
         return True
 
     def _checkpoint_failed(self, reason: str, error: OSError) -> bool:
@@ -760,15 +770,23 @@ class Trainer:
                       self.last_checkpoint or "the start", self.out_dir)
             if not saved and self.ranks.rank == 0:
                 log.error("%s", self._export_hint())
-            return EXIT_CHECKPOINT_FAILED
+            return EXIT_DISK_FULL
         if self.ranks.rank == 0 and self.state == "finished":
             export_dir = os.path.join(self.out_dir, "export")
             try:
-                export_drafter(self.model, export_dir, target_dir=self.target_dir or None,
-                               target_precision=self.target_precision)
-            except ExportError as e:   # the target's folder unreadable now: the weights still go out
-                log.warning("the export records no target (%s); `dfpipe export --target` adds it", e)
-                export_drafter(self.model, export_dir, target_precision=self.target_precision)
+                try:
+                    export_drafter(self.model, export_dir, target_dir=self.target_dir or None,
+                                   target_precision=self.target_precision)
+                except ExportError as e:   # the target's folder unreadable now: the weights still go out
+                    log.warning("the export records no target (%s); `dfpipe export --target` adds it", e)
+                    export_drafter(self.model, export_dir, target_precision=self.target_precision)
+            except OSError as e:
+                full = disk_error(e, self.out_dir)
+                if full is None:
+                    raise
+                log.error("training finished and %s holds it, but the export could not be written: %s. Its drafter "
+                          "now: %s", self.last_checkpoint, cannot_write(full, self.out_dir), self._export_command())
+                return EXIT_DISK_FULL
             log.info("exported drafter to %s", export_dir)
         log.info("trainer stopping (%s) at step %d", reason, self.step)
         return EXIT_OK
@@ -782,12 +800,16 @@ class Trainer:
         if not self.last_checkpoint:
             return (f"{ended} could not be written and no checkpoint exists under {self.out_dir}: free space there "
                     "and start the trainer again (it trains from the start)")
-        config = f"-c {self.cfg.source} " if self.cfg.source else ""
         return (f"{ended} could not be written. The last good checkpoint is {self.last_checkpoint}. Its drafter "
-                f"now: `dfpipe export {config}--checkpoint {self.last_checkpoint} --out DIR` (DIR on a disk with "
-                f"room). The finished drafter: free space under {self.out_dir} and start the trainer again; it "
-                f"resumes from that checkpoint, trains the {self.total_batches - self.last_checkpoint_batches} "
-                f"batches it lacks and exports to {os.path.join(self.out_dir, 'export')}")
+                f"now: {self._export_command()}. The finished drafter: free space under {self.out_dir} and start the "
+                f"trainer again; it resumes from that checkpoint, trains the "
+                f"{self.total_batches - self.last_checkpoint_batches} batches it lacks and exports to "
+                f"{os.path.join(self.out_dir, 'export')}")
+
+    def _export_command(self) -> str:
+        """The command that exports the last good checkpoint, in words."""
+        config = f"-c {self.cfg.source} " if self.cfg.source else ""
+        return f"`dfpipe export {config}--checkpoint {self.last_checkpoint} --out DIR` (DIR on a disk with room)"
 
     def close(self) -> None:
         if self.feed is not None:
@@ -828,14 +850,22 @@ def main(cfg: Config) -> int:
     except NoCheckpointVerifies as e:
         log.error("trainer stopped: %s", e)
         rc = EXIT_NO_CHECKPOINT_VERIFIES
-    except ChannelError as e:   # e.g. another user's endpoint folder: a setting to change, one line
+    except Untrusted as e:      # another user's endpoint, folder or file: the line names it, its owner and the fix
+        log.error("trainer refused: %s", e)
+        rc = EXIT_UNTRUSTED
+    except ChannelError as e:   # e.g. an endpoint path too long: a setting to change, one line
         log.error("trainer refused: %s", e)
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)
         rc = EXIT_OK
     except Exception as e:
-        log.exception("trainer failed: %s", e)
+        full = disk_error(e, trainer.out_dir)
+        if full is None:
+            log.exception("trainer failed: %s", e)
+        else:   # at start (the lock file, metrics.jsonl, TensorBoard) or while training: not a crash
+            log.error("trainer stopped: %s", cannot_write(full, trainer.out_dir))
+            rc = EXIT_DISK_FULL
     finally:
         trainer.close()
     if compiling_in_background():

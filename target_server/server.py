@@ -46,6 +46,7 @@ import zmq
 
 from common.channel import CurveKeys, RouterChannel
 from common.config import Config, ConfigError
+from common.exits import EXIT_FAILED, EXIT_OK, EXIT_UNTRUSTED
 from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
@@ -185,9 +186,9 @@ class TargetServer:
                                    f"server per ring.name: stop that one, or give this one another "
                                    f"ring.name") from None
             except Untrusted as e:
-                raise RuntimeError(f"ring {r.name!r} (worker {worker}) refused: {e}. Another user took this name "
-                                   f"or controls this folder: set ring.name to another name, or ring.shm_dir to a "
-                                   f"folder of this user's own (or have that file removed)") from None
+                raise Untrusted(f"ring {r.name!r} (worker {worker}) refused: {e}. Another user took this name "
+                                f"or controls this folder: set ring.name to another name, or ring.shm_dir to a "
+                                f"folder of this user's own (or have that file removed)") from None
 
     def start(self) -> None:
         t = self.cfg.target
@@ -447,7 +448,7 @@ class TargetServer:
                     self._apply(self.core.tick(now))
         finally:
             self.shutdown()
-        return 0
+        return EXIT_OK
 
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         now = time.monotonic()
@@ -492,6 +493,9 @@ def main(cfg: Config) -> int:
         return server.run()
     except ConfigError:
         raise   # the command line prints it as one line (exit status 2)
+    except Untrusted as e:   # another user's endpoint, folder or ring file: the line names it and the fix
+        log.error("target server refused: %s", e)
+        return EXIT_UNTRUSTED
     except Exception as e:
         log.error("target server failed: %s", e)
-        return 1
+        return EXIT_FAILED

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import stat
@@ -20,6 +21,7 @@ from common.channel import (DRAIN_BYTES, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelEr
 from common.config import Config
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
+from common.trust import Untrusted
 from stranger import UID as STRANGER
 from stranger import Stranger, as_stranger, bind_router, need_root
 
@@ -429,6 +431,35 @@ def test_an_endpoint_folder_or_socket_another_user_controls_is_refused_naming_th
         RouterChannel(f"ipc://{shared}/t.sock")
 
 
+def test_a_squatted_default_endpoint_is_untrusted_and_the_fix_it_names_is_another_folder_that_binds(
+        monkeypatch: pytest.MonkeyPatch, sock_dir: str) -> None:
+    need_root()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", sock_dir)          # the default endpoints' folder: <it>/dfpipe
+    home = os.path.join(sock_dir, "home")
+    os.mkdir(home, 0o700)
+    monkeypatch.setenv("HOME", home)
+    squatted = os.path.join(sock_dir, "dfpipe")
+    os.mkdir(squatted, 0o755)
+    os.chown(squatted, STRANGER, STRANGER)                  # another user made it first
+    default = Config().service.target_endpoint
+    assert default == f"ipc://{sock_dir}/dfpipe/target.sock"
+    with pytest.raises(Untrusted) as refused:
+        RouterChannel(default)
+    message = str(refused.value)
+    assert isinstance(refused.value, ChannelError)
+    assert f"the folder {sock_dir}/dfpipe belongs to uid 65534 (nobody)" in message, message
+    suggested = re.search(r"e\.g\. (ipc://\S+),", message).group(1)
+    assert suggested == f"ipc://{home}/.dfpipe/target.sock", "not the squatted default: a folder of our own"
+    assert f"or have {sock_dir}/dfpipe removed" in message
+    RouterChannel(suggested).close()                          # and it works
+    assert os.stat(os.path.join(home, ".dfpipe")).st_uid == os.geteuid()
+    # nothing of ours would do (no home, the default squatted): the fix is having it removed
+    monkeypatch.setenv("HOME", os.path.join(sock_dir, "dfpipe", "nohome"))
+    with pytest.raises(Untrusted, match=rf"Set .* to a socket in a folder of this user's own, or have "
+                                        rf"{sock_dir}/dfpipe removed$"):
+        RouterChannel(default)
+
+
 def test_a_client_asks_the_kernel_who_bound_an_endpoint_and_takes_nothing_from_a_stranger(sock_dir: str) -> None:
     need_root()
     os.chmod(sock_dir, 0o1777)
@@ -436,7 +467,8 @@ def test_a_client_asks_the_kernel_who_bound_an_endpoint_and_takes_nothing_from_a
     assert check_ipc_server(endpoint) is False, "nobody listens yet"
     with Stranger(bind_router, endpoint, Pong(rid=4, t=0.0).encode()) as stranger:
         _wait_for_file(os.path.join(sock_dir, "s.sock"))
-        with pytest.raises(ChannelError, match=r"is bound by uid 65534 \(nobody\) \(pid \d+\)"):
+        with pytest.raises(Untrusted, match=r"is bound by uid 65534 \(nobody\) \(pid \d+\).*or have "
+                                            rf"{sock_dir}/s.sock removed"):
             check_ipc_server(endpoint)
         assert check_ipc_server(endpoint, allowed_uids=[STRANGER]) is True
         careful = DealerChannel(endpoint, allowed_uids=())   # a trainer's feed: only its own user and root

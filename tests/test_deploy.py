@@ -266,12 +266,56 @@ def test_systemd_units_take_the_host_rank_and_rendezvous_from_cluster_env() -> N
     assert unit_env(trainer)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
-def test_the_trainer_unit_does_not_restart_a_status_a_restart_would_not_help() -> None:
-    from drafter_trainer.train import FINAL_EXITS
+def test_no_deployment_restarts_either_service_on_a_final_status() -> None:
+    from common.exits import EXIT_OK, FINAL_AS_SUCCESS, FINAL_EXITS
 
-    text = (UNITS / "dfpipe-trainer.service").read_text()
-    prevented = re.search(r"^RestartPreventExitStatus=(.*)$", text, re.M).group(1).split()
-    assert sorted(map(int, prevented)) == sorted(FINAL_EXITS)
+    for unit in ("dfpipe-target.service", "dfpipe-trainer.service"):
+        text = (UNITS / unit).read_text()
+        assert re.search(r"^Restart=on-failure$", text, re.M), unit
+        prevented = re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M)
+        assert len(prevented) == 1 and set(map(int, prevented[0].split())) == FINAL_EXITS, (unit, prevented)
+        assert EXIT_OK not in FINAL_EXITS   # on-failure never restarts 0 anyway
+    # compose cannot exclude statuses: each service restarts on failure only, and ends a final status
+    # with 0 (FINAL_AS_SUCCESS), through `dfpipe` (the image's entrypoint, or `dfpipe torchrun`)
+    assert re.search(r'^ENTRYPOINT \["dfpipe"\]$', (REPO / "deploy" / "Dockerfile").read_text(), re.M)
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    shapes = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "deploy" / "compose").glob("*.yml"))]
+    assert set(compose["services"]) == {"target-server", "trainer"}
+    for name, svc in compose["services"].items():
+        assert svc["restart"] == "on-failure", (name, svc["restart"])
+        assert str(svc["environment"][FINAL_AS_SUCCESS]) == "1", name
+        for shape in shapes:
+            entry = (shape.get("services") or {}).get(name, {}).get("entrypoint", ["dfpipe"])
+            assert entry[0] == "dfpipe", (name, entry)
+
+
+@pytest.mark.parametrize("under_compose", [False, True])
+def test_a_target_refused_with_a_final_status_ends_with_0_only_under_compose(tmp_path: Path,
+                                                                             under_compose: bool) -> None:
+    # a real refusal of the target's own, before anything is taken or loaded: no model folder there
+    from common.exits import EXIT_CONFIG, EXIT_OK
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for key in ("DFPIPE_FINAL_EXIT_AS_SUCCESS", "DFPIPE_CONFIG"):
+        env.pop(key, None)
+    if under_compose:
+        env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_environment("target-server")["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
+    done = subprocess.run([sys.executable, "-m", "dfpipe", "target-server", "-c", str(REPO / "configs" / "demo.yaml"),
+                           "--set", f"target.model={tmp_path / 'missing'}", "--set", "target.devices=[cpu]"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == (EXIT_OK if under_compose else EXIT_CONFIG), done.stderr[-2000:]
+    assert "target.model: no such folder" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert ("ending with 0 so that the container is not restarted" in done.stderr) == under_compose
+
+
+def test_the_readme_s_table_of_exit_statuses_is_common_exits() -> None:
+    from common.exits import FINAL_EXITS, WHY
+
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (yes|no) \|$", (REPO / "README.md").read_text(), re.M)
+    assert {int(status) for status, _, _ in rows} == set(WHY), rows
+    for status, why, restarted in rows:
+        assert why == WHY[int(status)], (status, why)
+        assert (restarted == "no") == (int(status) in FINAL_EXITS) or int(status) == 0, (status, restarted)
 
 
 @pytest.mark.parametrize(("rank_status", "launcher_status", "under_compose"),
@@ -285,15 +329,13 @@ def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_st
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("DFPIPE_FINAL_EXIT_AS_SUCCESS", None)
     if under_compose:
-        env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_trainer_environment()["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
+        env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_environment("trainer")["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
     done = subprocess.run([sys.executable, "-m", "dfpipe", "torchrun", "--standalone", "--nproc-per-node", "1",
                            str(rank)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == launcher_status, done.stderr[-2000:]
 
 
-def compose_trainer_environment() -> dict[str, str]:
-    """The trainer service's environment as docker-compose.yml sets it."""
-    import yaml
-
+def compose_environment(service: str) -> dict[str, str]:
+    """A service's environment as docker-compose.yml sets it."""
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    return {k: str(v) for k, v in compose["services"]["trainer"]["environment"].items()}
+    return {k: str(v) for k, v in compose["services"][service]["environment"].items()}

@@ -5,6 +5,7 @@ sample trained exactly once, after a fallback to an older checkpoint or a clear 
 with a traceback. One target server serves every test here (each has its own train.out_dir)."""
 from __future__ import annotations
 
+import errno
 import re
 import shutil
 import signal
@@ -174,3 +175,57 @@ def test_a_run_that_ends_on_a_full_disk_keeps_its_last_good_checkpoint_and_says_
     assert again.wait(300) == 0, again.log()
     assert (run / "export" / "config.json").is_file()
     assert_exactly_once(served, run)
+
+
+def _du(path: Path) -> int:
+    """Bytes `path` takes on its disk (whole pages, as a tmpfs counts them)."""
+    return int(subprocess.run(["du", "-sB1", str(path)], capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+def test_a_run_whose_last_step_is_checkpointed_finishes_and_exports_on_a_disk_with_no_room_for_a_second_copy(
+        served: Path, tmp_path: Path, small_tmpfs) -> None:
+    # the last step (16) is a periodic checkpoint's; the end of training saves that same state again,
+    # which needs room for a second copy. First, with room: what the run leaves and what each part takes.
+    roomy, tight = tmp_path / "roomy", tmp_path / "tight"
+    sets = ("train.checkpoint_every=16", "train.keep_checkpoints=1")
+    small_tmpfs(str(roomy), "64m")
+    first = _trainer(served, roomy, *sets)
+    assert first.wait(300) == 0, first.log()
+    used = _du(roomy)
+    checkpoint, export = _du(roomy / "checkpoints" / "step-00000016"), _du(roomy / "export")
+    assert checkpoint > 2 * export, (checkpoint, export)   # weights, AdamW's moments and the accounting vs bf16 weights
+    # Then a disk with room for all of that (the checkpoint and the export beside it) and half of
+    # what a second copy of the checkpoint would need more
+    small_tmpfs(str(tight), str(used + (checkpoint - export) // 2))
+    tr = _trainer(served, tight, *sets)
+    assert tr.wait(300) == 0, tr.log()
+    log = _no_traceback(tr)
+    assert re.search(r"checkpoint at step 16 \(end of training\) could not be written again: .*No space left on "
+                     rf"device.*Nothing is lost: {re.escape(str(tight / 'checkpoints' / 'step-00000016'))} holds this "
+                     r"same step and its 16 batches, and stands", log), log
+    assert f"exported drafter to {tight / 'export'}" in log and (tight / "export" / "model.safetensors").is_file()
+    assert [p.name for p in (tight / "checkpoints").iterdir()] == ["step-00000016"], "the failed copy removed"
+    assert_exactly_once(served, tight)
+
+
+@pytest.mark.parametrize("after_a_run", [False, True])
+def test_a_trainer_started_on_a_full_disk_stops_with_status_4_and_one_line(served: Path, tmp_path: Path,
+                                                                           small_tmpfs, after_a_run: bool) -> None:
+    # fresh: its lock file is the first thing it writes; after a run (the lock file's page is there
+    # to reuse): TensorBoard's folder, whose writer thread used to die with a traceback (exit 1)
+    run = tmp_path / "run"
+    small_tmpfs(str(run), "256k")
+    if after_a_run:
+        (run / "trainer.lock").write_text("1\n")
+    with open(run / "filler", "wb", buffering=0) as f:      # the disk fills up to its last page
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * 4096)
+    assert full.value.errno == errno.ENOSPC
+    tr = _trainer(served, run, "train.tensorboard=true")
+    assert tr.wait(300) == 4, tr.log()
+    log = _no_traceback(tr)
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    path = run / "tensorboard" if after_a_run else run
+    assert len(errors) == 1 and f"trainer stopped: cannot write {path}: No space left on device [errno 28]. Free space " \
+        f"there (`df -h {path}`), or set train.out_dir to a disk with room, and start it again" in errors[0], log

@@ -13,6 +13,7 @@ import fcntl
 import glob
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -25,6 +26,7 @@ import pytest
 import zmq
 
 from common.channel import DealerChannel
+from common.exits import EXIT_UNTRUSTED
 from common.liveness import process_start_time
 from common.protocol import MAX_EPOCHS, Control, Hello, Ping, Reply, new_session_secret, next_rid
 from common.seqset import SeqSet
@@ -268,17 +270,21 @@ def test_a_stranger_bound_to_the_endpoint_while_the_target_is_down_never_hears_a
             trainer = Service("trainer", config, tmp_path)
             services.append(trainer)
             wait_for(lambda: "not saying HELLO" in trainer.log(tail=500), 120, "the trainer refusing to say HELLO")
-            time.sleep(3)   # several HELLO periods (service.request_timeout_s = 1)
+            # several HELLO periods (service.request_timeout_s = 1), and a line of what it waits for
+            waiting = f"for the target server at ipc://{sock}: not saying HELLO: endpoint ipc://{sock}: it is bound by"
+            wait_for(lambda: waiting in trainer.log(tail=500), 60, "the trainer saying what it waits for")
             got = stranger.stop()
         assert got == {"frames": 0}, f"something reached the stranger: {got}"
         log = trainer.log(tail=500)
-        assert "is bound by uid 65534 (nobody)" in log and log.count("not saying HELLO") == 1, log
+        assert "is bound by uid 65534 (nobody)" in log and log.count("rank 0: not saying HELLO") == 1, log
+        assert "no target server is running" not in log, "it sees a server: another user's"
         assert trainer.alive(), "it waits for its target"
         # the stranger gone, its socket file stays (libzmq leaves it): the target refuses it, naming whose it is
         refused = Service("target-server", config, tmp_path)
         services.append(refused)
-        assert refused.wait(120) == 1, refused.log()
+        assert refused.wait(120) == EXIT_UNTRUSTED, refused.log()
         assert f"{sock} belongs to uid 65534 (nobody)" in refused.log(), refused.log()
+        assert f"or have {sock} removed" in refused.log(), refused.log()
         os.unlink(sock)   # the operator removes it: the real target binds the endpoint, the trainer joins it
         target = Service("target-server", config, tmp_path)
         services.append(target)
@@ -302,11 +308,14 @@ def test_a_stranger_who_made_the_endpoint_folder_first_is_named_and_neither_serv
         for role, key in (("target-server", "service.target_endpoint"), ("trainer", "service.trainer_endpoint")):
             service = Service(role, config, tmp_path)
             services.append(service)
-            assert service.wait(120) == 2, service.log()   # refused by its preflight: a setting to change
+            assert service.wait(120) == EXIT_UNTRUSTED, service.log()   # refused by its preflight
             log = service.log()
             assert f"{key}: endpoint ipc://{folder}/" in log, log
             assert f"the folder {folder} belongs to uid 65534 (nobody)" in log, log
             assert "Traceback" not in log and "layers kept" not in log, log
+            # the fix it names is a folder of this user's own, not the refused one
+            suggested = re.search(r"e\.g\. ipc://(\S+)/\w+\.sock, or have (\S+) removed", log)
+            assert suggested and suggested.group(2) == folder and not suggested.group(1).startswith(folder), log
         assert os.listdir(folder) == [], "nothing of ours was put there"
     finally:
         for s in services:
@@ -337,7 +346,7 @@ def test_ring_names_a_stranger_made_first_in_dev_shm_are_refused_or_ignored_neve
             wait_for(lambda: os.path.exists(squatted), 10, "the stranger's files")
             target = Service("target-server", config, tmp_path)
             services.append(target)
-            assert target.wait(120) == 1, target.log()
+            assert target.wait(120) == EXIT_UNTRUSTED, target.log()
             log = target.log()
             assert f"{lock} belongs to uid 65534 (nobody)" in log and "set ring.name" in log, log
             assert "layers kept" not in log, "refused before the target model is loaded"
