@@ -281,6 +281,7 @@ class RoleLock:
 
 
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
+_death_parent: int | None = None   # the parent whose death signals this process (signal_on_parent_death)
 
 
 def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
@@ -297,6 +298,7 @@ def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
     import ctypes
     import signal
 
+    global _death_parent
     parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -304,6 +306,7 @@ def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
             return False
     except (OSError, AttributeError):
         return False
+    _death_parent = parent
     if parent == 1 or os.getppid() != parent:
         signal.raise_signal(sig)
     return True
@@ -323,3 +326,17 @@ def stop_with_launcher() -> None:
     launcher = os.environ.pop(STOP_WITH_ENV, "")
     if launcher.isdigit():
         signal_on_parent_death(signal.SIGTERM, int(launcher))
+
+
+def stop_signal_text(signum: int) -> str:
+    """Why a stop signal came, for the log line a service writes when it stops: the signal's name,
+    and, where this process armed the parent-death signal and its parent is gone, that. Python's
+    signal handlers are not given the sender (no siginfo), and waiting for the signal in a thread
+    instead would need it blocked in every thread, a mask every child process inherits: a
+    compile worker would then ignore SIGTERM. A `ctl shutdown` names its sender (common.trust.sender_text)."""
+    import signal
+
+    name = signal.Signals(signum).name
+    if _death_parent is not None and os.getppid() != _death_parent:
+        return f"{name}: its launcher, pid {_death_parent}, is gone (the parent-death signal)"
+    return f"{name} (from outside: a kill, Ctrl-C at its terminal or its supervisor; Python does not name the sender)"

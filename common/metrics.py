@@ -81,6 +81,27 @@ class TokenRate:
         return round((c1 - c0) / (t1 - t0), 2) if t1 > t0 else None
 
 
+def time_left_s(done: float, total: float, per_s: float | None) -> float | None:
+    """Seconds until `done` reaches `total` at `per_s` (a TokenRate of the same count); None while
+    the rate is unknown or nil: no estimate rather than an infinite one."""
+    if not per_s or per_s <= 0:
+        return None
+    return max(0.0, (total - done) / per_s)
+
+
+def human_duration(seconds: float) -> str:
+    """A duration as people read it: 42s, 3m05s, 1h02m, 2d03h."""
+    s = max(0, int(round(seconds)))
+    minutes, secs = divmod(s, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:
     """Numeric leaves of a nested status dict as `prefix_a_b` -> float (bools as 0/1)."""
     out = {} if out is None else out

@@ -16,11 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+import yaml
+
+from common.config import load_config
 from common.ring import ProducerRing
-from dfpipe.demo import _continue_or_clear
+from dfpipe.demo import _continue_or_clear, _demo_lock
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
-from e2e import REPO, load, wait_for, write_config
+from e2e import REPO, assert_exactly_once, load, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -132,3 +135,63 @@ def test_the_demo_continues_an_unfinished_run_unless_asked_to_start_afresh(tmp_p
     step = _continue_or_clear(str(tmp_path / "run"), fresh)
     assert step == (5 if continues else None)
     assert (tmp_path / "run").exists() == continues
+
+
+def _default_names_config(tmp: Path, samples: int) -> Path:
+    """A small config that names no ring and no endpoint: the run's own, derived from its out_dir."""
+    config = write_config(tmp, samples=samples)
+    cfg = load(config)
+    del cfg["ring"]["name"]
+    del cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return config
+
+
+def test_two_demos_of_one_user_side_by_side_each_train_exactly_once_and_leave_nothing(tmp_path: Path) -> None:
+    """Two clones, or two configs, of one user at once: each demo gets its own ring and endpoints
+    (from its out_dir), trains its epoch exactly once, and stops only its own services."""
+    configs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        configs.append(_default_names_config(tmp_path / name, samples=40))
+    loaded = [load_config(str(c)) for c in configs]
+    names = [(c.ring.name, c.service.target_endpoint, c.service.trainer_endpoint) for c in loaded]
+    assert not set(names[0]) & set(names[1]), names
+    demos = [start_demo(c, c.parent / "demo.out") for c in configs]
+    try:
+        rcs = [d.wait(540) for d in demos]
+    finally:
+        for d in demos:
+            d.kill()
+    said = [(c.parent / "demo.out").read_text() for c in configs]
+    assert rcs == [0, 0], said
+    for config, cfg, out in zip(configs, loaded, said):
+        info = assert_exactly_once(config)
+        assert f"trained              samples {info['epoch_samples']}/{info['epoch_samples']} (0 duplicated)" in out
+        assert "/dev/shm left over   none" in out and f"ring {cfg.ring.name}," in out, out
+        assert not glob.glob(os.path.join(cfg.ring.shm_dir, f"{cfg.ring.name}.*"))
+        # a console that is a file: a few plain lines, only values the services reported
+        status = [line for line in out.splitlines() if line.startswith("  [")]
+        assert 1 <= len(status) <= 40, out
+        assert not re.search(r"\bNone\b|\bnan\b|/0 ", out), out
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if any(str(c) in (p.info["cmdline"] or []) for c in configs)]
+    assert not left, f"processes of the two demos left running: {left}"
+
+
+def test_a_second_demo_of_the_same_run_folder_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=40)
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text("{}\n")       # the first demo's run, in progress
+    lock = _demo_lock(str(out_dir))
+    lock.acquire()                                        # as the first demo holds it
+    try:
+        res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config)], capture_output=True,
+                             text=True, timeout=120, cwd=REPO)
+    finally:
+        lock.release(unlink=True)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"another demo trains into {out_dir} (demo role is held by pid {os.getpid()}" in res.stdout, res.stdout
+    assert "--set train.out_dir=PATH" in res.stdout
+    assert (out_dir / "metrics.jsonl").exists(), "the running demo's folder is left as it is"

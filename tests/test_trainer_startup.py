@@ -179,5 +179,9 @@ def test_a_trainer_waiting_for_its_target_says_so_and_stops_when_told(how: str, 
             assert ctl(cfg["service"]["trainer_endpoint"], "shutdown") is not None
         assert trainer.wait(20) == 0, trainer.log()
         assert "while waiting for the target server" in trainer.log()
+        # who stopped it: a signal by its name (Python is not told its sender); a ctl shutdown by its sender
+        said = ("trainer stopping (SIGTERM (from outside" if how == "SIGTERM" else
+                f"trainer stopping (ctl shutdown from pid {os.getpid()} (python")
+        assert said in trainer.log(), trainer.log()
     finally:
         trainer.stop()
