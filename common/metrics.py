@@ -71,14 +71,19 @@ class TokenRate:
                 self._marks.popleft()
 
     def per_s(self, now: float) -> float | None:
-        """Tokens per second; None before two marks."""
+        """Tokens per second (to 2 decimals, as the status shows it); None before two marks."""
+        rate = self.exact_per_s(now)
+        return None if rate is None else round(rate, 2)
+
+    def exact_per_s(self, now: float) -> float | None:
+        """`per_s` unrounded: for a time left from a slow count (0.034 batches/s is not 0.03)."""
         with self._lock:
             if len(self._marks) < 2:
                 return None
             (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
         if now - t1 > self.window_s:
             return 0.0
-        return round((c1 - c0) / (t1 - t0), 2) if t1 > t0 else None
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None
 
 
 def time_left_s(done: float, total: float, per_s: float | None) -> float | None:

@@ -324,7 +324,7 @@ class Trainer:
         if not self.epoch_sizes:
             return {"progress": None, "eta_s": None}
         done = max(self.trained_total, self.resumed_batches)   # a resumed run, before its first step here
-        left = time_left_s(done, self.total_batches, self.batch_rate.per_s(time.monotonic()))
+        left = time_left_s(done, self.total_batches, self.batch_rate.exact_per_s(time.monotonic()))
         return {"progress": round(min(1.0, done / self.total_batches), 4),
                 "eta_s": None if left is None else round(left, 1)}
 
