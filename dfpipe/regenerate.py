@@ -516,7 +516,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-failed", action="store_true",
                    help="try the rows of <out>.failed.jsonl again instead of skipping them")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on a terminal only)")
+                   help="progress bar (default: a bar on a terminal; otherwise a line with the time left every 30 s)")
 
 
 def main(args: argparse.Namespace) -> int:
