@@ -195,3 +195,29 @@ def test_a_second_demo_of_the_same_run_folder_is_refused_and_touches_nothing(tmp
     assert f"another demo trains into {out_dir} (demo role is held by pid {os.getpid()}" in res.stdout, res.stdout
     assert "--set train.out_dir=PATH" in res.stdout
     assert (out_dir / "metrics.jsonl").exists(), "the running demo's folder is left as it is"
+
+
+def test_the_demo_redraws_one_line_on_a_terminal_and_writes_rare_plain_lines_to_a_file(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dfpipe import demo
+
+    clock = iter(float(t) for t in range(1000, 2000))        # a look a second
+    monkeypatch.setattr(demo.time, "time", lambda: next(clock))
+    monkeypatch.setenv("COLUMNS", "60")                         # a narrow terminal: the line is cut, not wrapped
+    waiting = {"state": "waiting_for_target", "step": 0, "epoch": 0, "loss": float("nan"), "tokens_per_s": None}
+    training = {**waiting, "state": "training", "loss": 4.5, "progress": 0.25, "eta_s": 90.0}
+    live = demo.Progress(t0=1000.0, live=True)
+    for status in (waiting, training):
+        live.show(None, status)
+    live.done()
+    drawn = capsys.readouterr().out
+    assert drawn.count("\r") == 2 and drawn.count("\x1b[K") == 2 and drawn.endswith("\n"), repr(drawn)
+    assert "\r[    1s] trainer[training] step 0 epoch 0, 25.0% of the pla\x1b[K" in drawn, repr(drawn)
+    assert all(len(line) <= 59 for line in re.findall(r"\r(.*?)\x1b\[K", drawn))   # one column short of the edge
+    plain = demo.Progress(t0=1000.0, live=False)
+    for status in [waiting] * 30 + [training] * 30:              # a minute of looks
+        plain.show(None, status)
+    lines = capsys.readouterr().out.splitlines()
+    # the first look, every PLAIN_EVERY_S (20 s), and the change of state
+    assert len(lines) == 4 and all(line.startswith("  [") for line in lines), lines
+    assert "nan" not in "".join(lines) and "None" not in "".join(lines)
