@@ -1,9 +1,15 @@
 """`dfpipe demo`: the whole pipeline on CPU, as two real service processes.
 
 Starts `dfpipe target-server` and `dfpipe trainer` with configs/demo.yaml, shows progress from
-their control endpoints, waits for the trainer to finish its epoch (checkpoint + export), shuts
-the target down over its control endpoint, plots loss and throughput, prints a summary, and
-checks that no /dev/shm file and no process is left behind.
+their control endpoints (`Progress`: one redrawn line on a terminal, a plain line now and then in
+a file), waits for the trainer to finish its epoch (checkpoint + export), shuts the target down
+over its control endpoint, plots loss and throughput, prints a summary, and checks that no
+/dev/shm file and no process is left behind.
+
+Runs of one user side by side: the ring and endpoints are the run's own (derived from
+train.out_dir, common/config.py `run_tag`); the demo polls and stops only the processes it
+started (`_serves`: the pid listening at an endpoint), and one demo at a time trains into a run
+folder (`_demo_lock`).
 
 The demo owns its two services: the kernel sends each SIGTERM when the demo dies, however it
 dies (PDEATHSIG, which each arms as it starts: `liveness.stop_with_launcher`), so a killed demo

@@ -165,8 +165,11 @@ def test_two_demos_of_one_user_side_by_side_each_train_exactly_once_and_leave_no
             d.kill()
     said = [(c.parent / "demo.out").read_text() for c in configs]
     assert rcs == [0, 0], said
-    for config, cfg, out in zip(configs, loaded, said):
+    for config, cfg, out, demo in zip(configs, loaded, said, demos):
         info = assert_exactly_once(config)
+        # each demo stopped its own target server, which logged who told it to
+        target_log = (Path(cfg.resolve(cfg.train.out_dir)) / "logs" / "target.log").read_text()
+        assert f"target server stopping (ctl shutdown from pid {demo.pid} (python" in target_log, target_log[-2000:]
         assert f"trained              samples {info['epoch_samples']}/{info['epoch_samples']} (0 duplicated)" in out
         assert "/dev/shm left over   none" in out and f"ring {cfg.ring.name}," in out, out
         assert not glob.glob(os.path.join(cfg.ring.shm_dir, f"{cfg.ring.name}.*"))
