@@ -328,15 +328,6 @@ def stop_with_launcher() -> None:
         signal_on_parent_death(signal.SIGTERM, int(launcher))
 
 
-def stop_signal_text(signum: int) -> str:
-    """Why a stop signal came, for the log line a service writes when it stops: the signal's name,
-    and, where this process armed the parent-death signal and its parent is gone, that. Python's
-    signal handlers are not given the sender (no siginfo), and waiting for the signal in a thread
-    instead would need it blocked in every thread, a mask every child process inherits: a
-    compile worker would then ignore SIGTERM. A `ctl shutdown` names its sender (common.trust.sender_text)."""
-    import signal
-
-    name = signal.Signals(signum).name
-    if _death_parent is not None and os.getppid() != _death_parent:
-        return f"{name}: its launcher, pid {_death_parent}, is gone (the parent-death signal)"
-    return f"{name} (from outside: a kill, Ctrl-C at its terminal or its supervisor; Python does not name the sender)"
+def death_parent() -> int | None:
+    """The parent whose death signals this process (`signal_on_parent_death`), None when not armed."""
+    return _death_parent

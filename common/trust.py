@@ -50,34 +50,6 @@ def who(uid: int) -> str:
         return f"uid {uid}"
 
 
-COMMAND_CHARS = 80   # of a process's command line in a log line
-
-
-def command_line(pid: int) -> str:
-    """What `pid` runs, for a log line: its command line with the program's folder left out, cut
-    to COMMAND_CHARS; "" when the process is gone (or hidden)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return ""
-    argv = [a for a in argv if a]
-    if not argv:
-        return ""
-    text = " ".join([os.path.basename(argv[0]), *argv[1:]])
-    return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
-
-
-def sender_text(peer: "Peer | None") -> str:
-    """Who sent a message, for a log line: 'pid 4242 (python -m dfpipe ctl target shutdown), uid
-    1000 (ana)' from the kernel's credentials of an ipc:// connection; where there are none (tcp://),
-    says so."""
-    if peer is None:
-        return "a peer whose process is not known (not an ipc:// connection)"
-    command = command_line(peer.pid)
-    return f"pid {peer.pid}{f' ({command})' if command else ' (exited)'}, {who(peer.uid)}"
-
-
 def folder_problem(folder: str, trusted: frozenset[int]) -> str | None:
     """Why users outside `trusted` control `folder` (or what it names), or None when they do not.
 

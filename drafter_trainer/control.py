@@ -12,7 +12,7 @@ from typing import Any
 
 from common.channel import CurveKeys, RouterChannel
 from common.protocol import Control, Ping, Pong, Reply
-from common.trust import sender_text
+from common.stopping import sender_text
 
 log = logging.getLogger(__name__)
 

@@ -50,10 +50,11 @@ from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
 from common.cluster import restrict as restrict_to_host
 from common.config import Config, ConfigError, check_devices, default_gamma, default_layer_ids
-from common.liveness import process_age_s, signal_on_parent_death, stop_signal_text
+from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, TokenRate, human_duration, start_metrics_server, time_left_s
 from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
+from common.stopping import stop_signal_text
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
 from .checkpoint import (AUDIT_KEYS, FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir,

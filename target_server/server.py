@@ -46,12 +46,13 @@ import zmq
 
 from common.channel import CurveKeys, RouterChannel
 from common.config import Config, ConfigError, check_devices
-from common.liveness import LockHeld, RoleLock, pid_alive, stop_signal_text
+from common.liveness import LockHeld, RoleLock, pid_alive
 from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
                              next_rid)
 from common.ring import ProducerRing, SlotState
-from common.trust import Untrusted, sender_text
+from common.stopping import sender_text, stop_signal_text
+from common.trust import Untrusted
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
 from .tiny import BUILTIN_PREFIX, model_folder_problem
