@@ -177,4 +177,3 @@ def test_allowed_uids_are_user_ids_and_name_their_key_when_not() -> None:
     for bad in ("[-1]", "[true]", "1001"):
         with pytest.raises(ConfigError, match="service.allowed_uids"):
             load_config(None, [f"service.allowed_uids={bad}"])
-
