@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import stopping
 from common.channel import ChannelError, CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
@@ -54,7 +55,6 @@ from common.liveness import process_age_s, signal_on_parent_death
 from common.metrics import StageTimes, TokenRate, human_duration, start_metrics_server, time_left_s
 from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
-from common.stopping import stop_signal_text
 
 from .blocks import anchor_seed, build_blocks, heldout_anchor_seed, sample_anchors
 from .checkpoint import (AUDIT_KEYS, FINISHED, NoCheckpointVerifies, OutDirInUse, TrainerState, lock_out_dir,
@@ -865,7 +865,7 @@ def main(cfg: Config) -> int:
     trainer = Trainer(cfg)
 
     def _on_term(signum, _frame) -> None:
-        trainer.flags.ask_to_stop(stop_signal_text(signum))
+        trainer.flags.ask_to_stop(stopping.stop_signal_text(signum))
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
     if "TORCHELASTIC_RUN_ID" in os.environ:   # a torchrun rank: stop (and checkpoint) if torchrun dies

@@ -726,9 +726,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     try:
         pending: list[tuple[int, Conversation]] = []
-        from tqdm import tqdm
-        # rows read so far and their rate, on a terminal only (a row count needs no second pass over the file)
-        for line, conversation, reason in tqdm(rows, desc="prepare-data", unit="row", disable=None, leave=False):
+        for line, conversation, reason in rows:
             report.rows += 1
             if conversation is None:
                 # Rows reach the report in file order: flush what is pending before this one.
