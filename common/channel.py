@@ -327,6 +327,18 @@ def _unix_address(endpoint: str) -> str | None:
     return "\0" + name[1:] if name.startswith("@") else name
 
 
+def ipc_listener(endpoint: str) -> Peer | None:
+    """Who listens at an ipc:// endpoint (the kernel's credentials of the process that bound it);
+    None when nobody does, it cannot be asked, or the endpoint is not ipc://."""
+    address = _unix_address(endpoint)
+    if address is None:
+        return None
+    try:
+        return listener(address)
+    except OSError:
+        return None
+
+
 def check_ipc_server(endpoint: str, allowed_uids: Iterable[int] = ()) -> bool:
     """Before a client sends an ipc:// server anything (a HELLO carries the session secret): True when
     a process of a trusted user (this one's, root, `allowed_uids`) listens at `endpoint`, False when
@@ -471,6 +483,8 @@ class _Channel:
         self.dropped_sends: collections.Counter[str] = collections.Counter()  # "full", "gone", "no_peer"
         self._untrimmed = 0       # bytes taken since memory was last given back (`give_back_memory`)
         self._last_taken = 0.0    # monotonic time of the last drain that took a frame
+        # ipc:// only: the kernel's credentials of each sender of the last drain, by identity (`sender`)
+        self.senders: dict[bytes, Peer] = {}
 
     def fileno(self) -> int:
         """ZeroMQ's notification fd (edge-triggered: after it fires, drain with poll(0))."""
@@ -481,6 +495,7 @@ class _Channel:
         and DRAIN_BYTES (at least one); those of an untrusted sender are dropped here."""
         if not self.socket.poll(_timeout_ms(timeout_s), zmq.POLLIN):
             return []
+        self.senders = {}
         out, taken = [], 0
         for _ in range(MAX_DRAIN):
             try:
@@ -513,6 +528,8 @@ class _Channel:
             return True
         peer = _peer(frames[-1])
         if peer is not None and peer.uid in self.peers:
+            if len(frames) > 1:     # a ROUTER's: the first frame is the sender's identity
+                self.senders[frames[0].bytes] = peer
             return True
         sender = "an unknown sender" if peer is None else f"{who(peer.uid)}, pid {peer.pid}"
         self._bad("foreign_uid", f"sent by {sender}: not this service's user, root or one of service.allowed_uids",
@@ -580,6 +597,11 @@ class RouterChannel(_Channel):
                 out.append((peer, msg))
         self.give_back_memory()
         return out
+
+    def sender(self, peer: bytes) -> Peer | None:
+        """Who sent `peer`'s message of the last poll (ipc:// only): the process at the other end
+        of its connection (SO_PEERCRED), for a service to say who told it to stop."""
+        return self.senders.get(peer)
 
     def send(self, peer: bytes, msg: Message) -> bool:
         """Queue msg for peer without blocking. False (and counted) when the peer is gone or its

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class RingConfig:
-    name: str = "dfpipe"                # ring files: <shm_dir>/<name>.w<worker>.<producer_epoch>
+    name: str = ""                      # ring files: <shm_dir>/<name>.w<worker>.<producer_epoch>; "": the run's
+                                        # own, dfpipe-<run_tag(train.out_dir)> (Config.__post_init__)
     shm_dir: str = "/dev/shm"
     slots: int = 6                      # slots per target worker
     cuda_register: str = "auto"         # auto | off | require
@@ -115,16 +117,30 @@ class TrainConfig:
     new_plan: bool = False              # resume the weights under a changed data plan, accounting anew
 
 
-def _private_endpoint(name: str) -> str:
-    """ipc://<this user's private folder>/<name>.sock (common.trust.private_dir)."""
-    return f"ipc://{private_dir()}/{name}.sock"
+RUN_TAG_NAME_CHARS = 16   # of the run folder's name in a run tag; with the hash, short enough for a socket path
+
+
+def run_tag(out_dir: str) -> str:
+    """The short name of a run: its folder's name (up to RUN_TAG_NAME_CHARS characters, letters,
+    digits, '.', '_', '-') and 8 hex digits of its absolute path, e.g. `demo-3f0c9a1e`. Two runs of
+    one user on one host have two out_dirs, hence two tags: the default ring name and endpoints are
+    made of it, so two clones or two configs never meet unless their configs name the same ones."""
+    path = os.path.abspath(out_dir)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(path))[:RUN_TAG_NAME_CHARS].strip("._-") or "run"
+    return f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+def _private_endpoint(tag: str, service: str) -> str:
+    """ipc://<this user's private folder>/<run tag>-<service>.sock (common.trust.private_dir)."""
+    return f"ipc://{private_dir()}/{tag}-{service}.sock"
 
 
 @dataclass
 class ServiceConfig:
-    # default: in this user's private folder ($XDG_RUNTIME_DIR/dfpipe or /tmp/dfpipe-<uid>, made 0700)
-    target_endpoint: str = field(default_factory=lambda: _private_endpoint("target"))
-    trainer_endpoint: str = field(default_factory=lambda: _private_endpoint("trainer"))
+    # "": the run's own, in this user's private folder ($XDG_RUNTIME_DIR/dfpipe or /tmp/dfpipe-<uid>,
+    # made 0700): <run_tag(train.out_dir)>-target.sock, -trainer.sock (Config.__post_init__)
+    target_endpoint: str = ""
+    trainer_endpoint: str = ""
     allowed_uids: list[int] = field(default_factory=list)  # ipc peers trusted besides this user and root
     heartbeat_s: float = 1.0            # PING period
     lease_s: float = 10.0               # no PONG for this long: the peer is presumed hung
@@ -154,6 +170,14 @@ class Config:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: str = ""                    # the file it came from; relative paths resolve against it
+
+    def __post_init__(self) -> None:
+        """Names left empty become the run's own (`run_tag` of the resolved train.out_dir): both
+        services read the same file, so both derive the same ring and endpoints."""
+        tag = run_tag(self.resolve(self.train.out_dir))
+        self.ring.name = self.ring.name or f"dfpipe-{tag}"
+        self.service.target_endpoint = self.service.target_endpoint or _private_endpoint(tag, "target")
+        self.service.trainer_endpoint = self.service.trainer_endpoint or _private_endpoint(tag, "trainer")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -358,8 +382,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {k} is not a section")
         node[keys[-1]] = value
-    cfg = _fill(Config, {k: v for k, v in data.items() if k != "source"}, "")
-    cfg.source = os.path.abspath(path) if path else ""
+    # the source goes in with the rest: the names derived from train.out_dir resolve it against the file
+    cfg = _fill(Config, {**{k: v for k, v in data.items() if k != "source"},
+                         "source": os.path.abspath(path) if path else ""}, "")
     return validate(cfg)
 
 

@@ -281,6 +281,7 @@ class RoleLock:
 
 
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
+_death_parent: int | None = None   # the parent whose death signals this process (signal_on_parent_death)
 
 
 def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
@@ -297,6 +298,7 @@ def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
     import ctypes
     import signal
 
+    global _death_parent
     parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -304,6 +306,7 @@ def signal_on_parent_death(sig: int, parent: int | None = None) -> bool:
             return False
     except (OSError, AttributeError):
         return False
+    _death_parent = parent
     if parent == 1 or os.getppid() != parent:
         signal.raise_signal(sig)
     return True
@@ -323,3 +326,8 @@ def stop_with_launcher() -> None:
     launcher = os.environ.pop(STOP_WITH_ENV, "")
     if launcher.isdigit():
         signal_on_parent_death(signal.SIGTERM, int(launcher))
+
+
+def death_parent() -> int | None:
+    """The parent whose death signals this process (`signal_on_parent_death`), None when not armed."""
+    return _death_parent

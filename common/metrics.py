@@ -71,14 +71,40 @@ class TokenRate:
                 self._marks.popleft()
 
     def per_s(self, now: float) -> float | None:
-        """Tokens per second; None before two marks."""
+        """Tokens per second (to 2 decimals, as the status shows it); None before two marks."""
+        rate = self.exact_per_s(now)
+        return None if rate is None else round(rate, 2)
+
+    def exact_per_s(self, now: float) -> float | None:
+        """`per_s` unrounded: for a time left from a slow count (0.034 batches/s is not 0.03)."""
         with self._lock:
             if len(self._marks) < 2:
                 return None
             (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
         if now - t1 > self.window_s:
             return 0.0
-        return round((c1 - c0) / (t1 - t0), 2) if t1 > t0 else None
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None
+
+
+def time_left_s(done: float, total: float, per_s: float | None) -> float | None:
+    """Seconds until `done` reaches `total` at `per_s` (a TokenRate of the same count); None while
+    the rate is unknown or nil: no estimate rather than an infinite one."""
+    if not per_s or per_s <= 0:
+        return None
+    return max(0.0, (total - done) / per_s)
+
+
+def human_duration(seconds: float) -> str:
+    """A duration as people read it: 42s, 3m05s, 1h02m, 2d03h."""
+    s = max(0, int(round(seconds)))
+    minutes, secs = divmod(s, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:

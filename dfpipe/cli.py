@@ -101,8 +101,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise SystemExit(f"dfpipe inspect: refused: {e}") from None
     if not args.json:
         info.pop("have", None)
+        if isinstance(info.get("time"), (int, float)):   # when it was saved: a date and an age, not epoch seconds
+            info["time"] = saved_at(info["time"])
     _print(info, args.json)
     return 0 if info.get("verified", "").startswith("ok") else 1
+
+
+def saved_at(when: float, now: float | None = None) -> str:
+    """A checkpoint's save time as people read it: local date and time, and how long ago."""
+    import time
+
+    from common.metrics import human_duration
+    now = time.time() if now is None else now
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(when))} ({human_duration(now - when)} ago)"
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:

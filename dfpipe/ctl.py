@@ -1,6 +1,7 @@
 """`dfpipe ctl` and `dfpipe top`: talk to running services over their control endpoints."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from rich.text import Text
 
 from common.channel import CurveKeys, RequestTimeout, request
 from common.config import Config
+from common.metrics import human_duration
 from common.protocol import Control, Reply, next_rid
 
 
@@ -61,24 +63,39 @@ def render(obj: Any, indent: int = 0) -> str:
     return f"{pad}{obj}"
 
 
-def summary_line(target: dict | None, trainer: dict | None) -> str:
+def target_summary(target: dict | None) -> str:
+    """The target server's status on one line; only the values it reported."""
     if target is None:
-        t = "target: not answering"
-    else:
-        b = target.get("batches", {})
-        t = (f"target[{target.get('state')}] produced {b.get('produced', 0)} acked {b.get('acked', 0)} "
-             f"quarantined {b.get('quarantined', 0)} epoch {target.get('consumer_epoch')}")
+        return "target: not answering"
+    b = target.get("batches") if isinstance(target.get("batches"), dict) else {}
+    return (f"target[{target.get('state')}] produced {_num(b.get('produced'))} acked {_num(b.get('acked'))} "
+            f"quarantined {_num(b.get('quarantined'))} epoch {_num(target.get('consumer_epoch'))}")
+
+
+def trainer_summary(trainer: dict | None) -> str:
+    """The trainer's status on one line, most telling first (a terminal line cut short keeps it):
+    step, progress through the plan and the time left, loss, rate, the last eval, the audit. A value
+    the trainer has not reported yet (no loss before its first step, no plan before the target's
+    WELCOME, no time left before a rate) is left out, not shown as None or nan."""
     if trainer is None:
-        r = "trainer: not answering"
-    else:
-        loss = trainer.get("loss")
-        r = (f"trainer[{trainer.get('state')}] step {trainer.get('step')} epoch {trainer.get('epoch')} "
-             f"{audit_text(trainer)} "
-             f"loss {loss if loss is None else round(loss, 4)} tok/s {trainer.get('tokens_per_s')}")
-        ev = trainer.get("eval")
-        if ev:
-            r += f" eval tau {round(ev['tau'], 3)} (step {ev['step']})"
-    return f"{t} | {r}"
+        return "trainer: not answering"
+    parts = [f"trainer[{trainer.get('state')}] step {_num(trainer.get('step'))} epoch {_num(trainer.get('epoch'))}"]
+    if reported(trainer.get("progress")):
+        parts.append(f"{100 * trainer['progress']:.1f}% of the plan")
+    if reported(trainer.get("eta_s")):
+        parts.append(f"{human_duration(trainer['eta_s'])} left")
+    if reported(trainer.get("loss")):
+        parts.append(f"loss {trainer['loss']:.4f}")
+    if reported(trainer.get("tokens_per_s")):
+        parts.append(f"{trainer['tokens_per_s']:,.0f} tok/s")
+    ev = trainer.get("eval")
+    if isinstance(ev, dict) and reported(ev.get("tau")):
+        parts.append(f"eval tau {ev['tau']:.3f} (step {_num(ev.get('step'))})")
+    return ", ".join([*parts, audit_text(trainer)])
+
+
+def summary_line(target: dict | None, trainer: dict | None) -> str:
+    return f"{target_summary(target)} | {trainer_summary(trainer)}"
 
 
 # ---- dfpipe top: one panel per service, sized for an 80x24 terminal -----------------------------
@@ -86,27 +103,30 @@ def summary_line(target: dict | None, trainer: dict | None) -> str:
 TOP_WIDTH, TOP_HEIGHT = 80, 24
 
 
+def reported(value: Any) -> bool:
+    """A number the service reported: not None, not a bool, not nan (a loss before the first step)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _num(value: Any, fmt: str = "{:,.0f}") -> str:
     """A status number for display; '-' where the service did not report one (or reported junk)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "-"
-    return fmt.format(value)
+    return fmt.format(value) if reported(value) else "-"
 
 
 def audit_text(info: dict[str, Any]) -> str:
     """The exactly-once audit of a trainer status or a checkpoint, as every view shows it: source rows
     (samples) and the documents they make (a template that re-renders earlier turns, or a split,
-    makes several of one row), each trained of the epoch's, and how many of them twice."""
-    return ", ".join(f"{kind} {_num(info.get(f'{kind}_trained'))}/{_num(info.get(f'epoch_{kind}'))} "
-                     f"({_num(info.get(f'{kind}_duplicated'))} duplicated)" for kind in ("samples", "documents"))
+    makes several of one row), each trained of the epoch's, and how many of them twice. The
+    epoch's size only once it is known (the target server's WELCOME): never `148/0`."""
+    def trained(kind: str) -> str:
+        total = info.get(f"epoch_{kind}")
+        of = f"/{_num(total)}" if reported(total) and total > 0 else ""
+        return f"{kind} {_num(info.get(f'{kind}_trained'))}{of} ({_num(info.get(f'{kind}_duplicated'))} duplicated)"
+    return ", ".join(trained(kind) for kind in ("samples", "documents"))
 
 
 def _duration(seconds: Any) -> str:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        return "-"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+    return human_duration(seconds) if reported(seconds) else "-"
 
 
 def _commit_step(step: Any) -> str:
@@ -197,7 +217,8 @@ def trainer_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
     failures = status.get("checkpoint_failures")
     rows = [
         _line(("step", _num(status.get("step"))), ("epoch", _num(status.get("epoch"))),
-              ("rate", f"{_num(status.get('tokens_per_s'))} tok/s")),
+              ("rate", f"{_num(status.get('tokens_per_s'))} tok/s"),
+              ("done", f"{_num(status.get('progress'), '{:.1%}')}"), ("left", _duration(status.get("eta_s")))),
         _line(("trained", audit_text(status))),
         _line(("loss", _num(status.get("loss"), "{:.4f}")),
               ("tau", _num(status.get("implied_acceptance_length"), "{:.2f}")),

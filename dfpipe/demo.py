@@ -1,9 +1,15 @@
 """`dfpipe demo`: the whole pipeline on CPU, as two real service processes.
 
 Starts `dfpipe target-server` and `dfpipe trainer` with configs/demo.yaml, shows progress from
-their control endpoints, waits for the trainer to finish its epoch (checkpoint + export), shuts
-the target down over its control endpoint, plots loss and throughput, prints a summary, and
-checks that no /dev/shm file and no process is left behind.
+their control endpoints (`Progress`: one redrawn line on a terminal, a plain line now and then in
+a file), waits for the trainer to finish its epoch (checkpoint + export), shuts the target down
+over its control endpoint, plots loss and throughput, prints a summary, and checks that no
+/dev/shm file and no process is left behind.
+
+Runs of one user side by side: the ring and endpoints are the run's own (derived from
+train.out_dir, common/config.py `run_tag`); the demo polls and stops only the processes it
+started (`_serves`: the pid listening at an endpoint), and one demo at a time trains into a run
+folder (`_demo_lock`).
 
 The demo owns its two services: the kernel sends each SIGTERM when the demo dies, however it
 dies (PDEATHSIG, which each arms as it starts: `liveness.stop_with_launcher`), so a killed demo
@@ -26,11 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.channel import ipc_listener
 from common.config import Config, load_config
-from common.liveness import STOP_WITH_ENV
-from common.metrics import RATE_WINDOW_S
+from common.liveness import STOP_WITH_ENV, LockHeld, RoleLock
+from common.metrics import RATE_WINDOW_S, human_duration
 
-from .ctl import audit_text, summary_line, try_status
+from .ctl import audit_text, reported, target_summary, trainer_summary, try_status
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -100,7 +107,7 @@ def plot_metrics(rows: list[dict[str, Any]], png_path: str) -> bool:
 
 
 def _fmt(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+    return format(value, spec) if reported(value) else "-"
 
 
 def _leftover_shm(cfg: Config) -> list[str]:
@@ -111,6 +118,68 @@ def _fmt_stages(stages: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v['seconds']:.1f}s" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]["seconds"]))
 
 
+PLAIN_EVERY_S = 20.0     # a status line this often when the console is a file (and at each change of state)
+LIVE_EVERY_S = 0.5       # the refresh of the one status line on a terminal
+
+
+class Progress:
+    """The demo's console while it runs: on a terminal one line, redrawn in place; into a file or a
+    pipe a plain line every PLAIN_EVERY_S and whenever a service's state changes (a log stays short)."""
+
+    def __init__(self, t0: float, live: bool) -> None:
+        self.t0, self.live = t0, live
+        self.last_plain = -PLAIN_EVERY_S
+        self.states: tuple[Any, Any] = (None, None)
+        self.drawn = False
+
+    @property
+    def period_s(self) -> float:
+        return LIVE_EVERY_S if self.live else 1.0
+
+    def show(self, target: dict | None, trainer: dict | None) -> None:
+        now = time.time()
+        line = f"[{human_duration(now - self.t0):>6}] {trainer_summary(trainer)} | {target_summary(target)}"
+        if self.live:
+            width = shutil.get_terminal_size().columns - 1
+            sys.stdout.write("\r" + line[:width] + "\x1b[K")
+            sys.stdout.flush()
+            self.drawn = True
+            return
+        states = tuple(s.get("state") if s else None for s in (target, trainer))
+        if now - self.last_plain >= PLAIN_EVERY_S or states != self.states:
+            print(f"  {line}", flush=True)
+            self.last_plain, self.states = now, states
+
+    def done(self) -> None:
+        """End the redrawn line, so what is printed next starts on a line of its own."""
+        if self.drawn:
+            print(flush=True)
+            self.drawn = False
+
+
+def _serves(endpoint: str, proc: subprocess.Popen) -> bool:
+    """Whether `proc` is the process listening at `endpoint`: the demo asks and stops only the
+    services it started, never another run's that holds the same endpoint. Not ipc://: it cannot
+    tell, and trusts the config."""
+    if not endpoint.startswith("ipc://"):
+        return True
+    peer = ipc_listener(endpoint)
+    return peer is not None and peer.pid == proc.pid
+
+
+def _status(endpoint: str, proc: subprocess.Popen, timeout_s: float = 1.0) -> dict | None:
+    """The status of the demo's own service at `endpoint`; None while another process (or nobody) listens there."""
+    return try_status(endpoint, timeout_s=timeout_s) if _serves(endpoint, proc) else None
+
+
+def _demo_lock(out_dir: str) -> RoleLock:
+    """One demo per run folder: `<out_dir>.demo.lock` beside it, held while the demo runs. A second
+    demo of the same config would otherwise clear the folder the first one trains into."""
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    return RoleLock(parent, os.path.basename(out_dir), "demo")
+
+
 def run_demo(config: str | None = None, overrides: list[str] | None = None, fresh: bool = False) -> int:
     rerun = " ".join(["dfpipe demo", *(["-c", shlex.quote(config)] if config else []),
                       *(f"--set {shlex.quote(o)}" for o in overrides or [])])
@@ -118,10 +187,25 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
     overrides = overrides or []
     cfg = load_config(config, overrides)
     out_dir = cfg.resolve(cfg.train.out_dir)
+    lock = _demo_lock(out_dir)
+    try:
+        lock.acquire()
+    except LockHeld as e:
+        print(f"dfpipe demo: another demo trains into {out_dir} ({e}): wait for it to end, or give this one "
+              f"its own run folder (`{rerun} --set train.out_dir=PATH`)")
+        return 1
+    try:
+        return _run(cfg, config, overrides, out_dir, rerun, fresh)
+    finally:
+        lock.release(unlink=True)
+
+
+def _run(cfg: Config, config: str, overrides: list[str], out_dir: str, rerun: str, fresh: bool) -> int:
     resumed = _continue_or_clear(out_dir, fresh)
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     t0 = time.time()
-    print(f"dfpipe demo: config {config}\n  logs in {out_dir}/logs", flush=True)
+    print(f"dfpipe demo: config {config}\n  logs in {out_dir}/logs\n  ring {cfg.ring.name}, endpoints "
+          f"{cfg.service.target_endpoint} and {cfg.service.trainer_endpoint}", flush=True)
     if resumed is not None:
         print(f"  continuing from the checkpoint at step {resumed} (`{rerun} --fresh` starts afresh)", flush=True)
     logs = {role: os.path.join(out_dir, "logs", f"{role}.log") for role in ("target", "trainer")}
@@ -136,34 +220,38 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
     trainer_status: dict | None = None
     final_target: dict | None = None
     failure = ""
+    progress = Progress(t0, live=sys.stdout.isatty())
     try:
         target = _spawn("target-server", config, overrides, logs["target"])
         trainer = _spawn("trainer", config, overrides, logs["trainer"])
         while True:
-            t_status = try_status(cfg.service.target_endpoint, timeout_s=1.0)
-            r_status = try_status(cfg.service.trainer_endpoint, timeout_s=1.0)
+            t_status = _status(cfg.service.target_endpoint, target)
+            r_status = _status(cfg.service.trainer_endpoint, trainer)
             target_status = t_status or target_status
             trainer_status = r_status or trainer_status
-            print(f"  [{time.time() - t0:6.1f}s] {summary_line(t_status, r_status)}", flush=True)
+            progress.show(t_status, r_status)
             if trainer.poll() is not None:
                 break
             if target.poll() is not None:
                 failure = (f"the target server exited with {target.returncode}: {_reason(logs['target'])} "
                            f"(see {logs['target']})")
                 break
-            time.sleep(2.0)
-        final_target = try_status(cfg.service.target_endpoint, timeout_s=2.0) or target_status
+            time.sleep(progress.period_s)
+        progress.done()
+        final_target = _status(cfg.service.target_endpoint, target, timeout_s=2.0) or target_status
         if target.poll() is None:
-            from .ctl import control
-            try:
-                control(cfg.service.target_endpoint, "target", "shutdown", timeout_s=5.0)
-            except SystemExit as e:
-                print(e)
+            if _serves(cfg.service.target_endpoint, target):
+                from .ctl import control
+                try:
+                    control(cfg.service.target_endpoint, "target", "shutdown", timeout_s=5.0)
+                except SystemExit as e:
+                    print(e)
             try:
                 target.wait(30)
             except subprocess.TimeoutExpired:
                 _stop(target)
     except KeyboardInterrupt:
+        progress.done()
         print("\ndfpipe demo: stopping both services (the trainer writes its checkpoint)", flush=True)
     finally:
         for sig in handlers:        # a second Ctrl-C must not cut the services' clean stop short
@@ -193,26 +281,28 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
     leftovers = _leftover_shm(cfg)
     ts = trainer_status or {}
     # the trainer's last metrics record: the plot's last points (the status polled last may be a few steps older)
-    last = ([r for r in rows if "loss" in r] or [{}])[-1]
+    last = ([r for r in rows if "loss" in r] or [None])[-1]
     print("\n== dfpipe demo summary ==")
-    print(f"wall time            {elapsed:.1f} s")
-    print(f"checkpoint           {ckpt}")
+    print(f"wall time            {human_duration(elapsed)} ({elapsed:.1f} s)")
+    print(f"checkpoint           {ckpt or 'none'}")
     print(f"trained              {audit_text(info)}")
-    print(f"trainer              step {info.get('step')}; at step {last.get('step')} (the plot's last point): "
-          f"loss {_fmt(last.get('loss'), '.4f')}, {_fmt(last.get('tokens_per_s'), ',.0f')} tok/s "
-          f"(its last {RATE_WINDOW_S:.0f} s)")
-    print(f"anchors per batch    {ts.get('anchors_per_batch')} (up to drafter.max_anchors = "
+    plotted_step = ("" if last is None else  # a run shorter than train.log_every steps has no record to quote
+                    f"; at step {last['step']} (the plot's last point): loss {_fmt(last.get('loss'), '.4f')}, "
+                    f"{_fmt(last.get('tokens_per_s'), ',.0f')} tok/s (its last {RATE_WINDOW_S:.0f} s)")
+    print(f"trainer              step {_fmt(info.get('step'), '.0f')}{plotted_step}")
+    print(f"anchors per batch    {_fmt(ts.get('anchors_per_batch'), '.1f')} (up to drafter.max_anchors = "
           f"{cfg.drafter.max_anchors} per document)")
-    print(f"implied acceptance   {_fmt(last.get('tau'), '.3f')} tokens per block "
-          f"(random-weight target: a pipeline check, not a quality figure)")
+    if last is not None:
+        print(f"implied acceptance   {_fmt(last.get('tau'), '.3f')} tokens per block "
+              f"(random-weight target: a pipeline check, not a quality figure)")
     ev = ts.get("eval")
     if ev:
         print(f"held-out eval        step {ev['step']}: tau {ev['tau']:.3f}, loss {ev['loss']:.4f} "
               f"on {ev['batches']} held-out batches")
     if final_target:
         b = final_target.get("batches", {})
-        print(f"target               {b.get('produced')} batches, {final_target.get('tokens')} tokens, "
-              f"quarantined {b.get('quarantined')}")
+        print(f"target               {_fmt(b.get('produced'), ',.0f')} batches, {_fmt(final_target.get('tokens'), ',.0f')} "
+              f"tokens, quarantined {_fmt(b.get('quarantined'), ',.0f')}")
         print(f"target stages        {_fmt_stages(final_target.get('stages', {}))}")
     if ts.get("stages"):
         print(f"trainer stages       {_fmt_stages(ts['stages'])}")
@@ -250,17 +340,26 @@ def _how_to_continue(out_dir: str, rerun: str) -> str:
 
 # a service's log line: "<date> <time> <service> <LEVEL> <message>"; `dfpipe: ...` is the command line's own
 _ERROR_LINE = re.compile(r"^\S+ \S+ \S+ (?:ERROR|CRITICAL) (?P<message>.*)$|^(?P<cli>dfpipe: .*)$")
+# the line a service writes as it stops when told to, naming who or what told it (a signal, a ctl shutdown)
+_STOP_LINE = re.compile(r"^\S+ \S+ \S+ INFO (?P<message>(?:target server|trainer) stopping \(.*)$")
 
 
 def _reason(log_path: str) -> str:
-    """Why a service stopped: its log's last error line (else its last line)."""
+    """Why a service stopped: its log's line saying who or what told it to stop (and the last error
+    after it, if any), else its last error line, else its last line."""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             lines = [line.rstrip() for line in f if line.strip()]
     except OSError:
         return "(no log)"
-    for line in reversed(lines):
-        m = _ERROR_LINE.match(line)
-        if m:
-            return m["message"] or m["cli"]
+    stop = error = None
+    for i, line in enumerate(lines):
+        if m := _STOP_LINE.match(line):
+            stop = (i, m["message"])
+        elif m := _ERROR_LINE.match(line):
+            error = (i, m["message"] or m["cli"])
+    if stop and error and error[0] > stop[0]:
+        return f"{stop[1]}; then: {error[1]}"
+    if stop or error:
+        return (stop or error)[1]
     return lines[-1] if lines else "(empty log)"

@@ -12,6 +12,7 @@ from typing import Any
 
 from common.channel import CurveKeys, RouterChannel
 from common.protocol import Control, Ping, Pong, Reply
+from common.stopping import sender_text
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,12 @@ class TrainerFlags:
         self.checkpoint = False    # checkpoint at the next step boundary
         self.paused = False
         self.drain = False         # stop taking batches; train what is in hand; checkpoint; pause
-        self.reason = ""
+        self.reason = ""           # who or what asked it to stop (the first to ask): the trainer's stop log line
+
+    def ask_to_stop(self, reason: str) -> None:
+        if not self.stop:
+            self.reason = reason
+        self.stop = True
 
 
 class TrainerControl(threading.Thread):
@@ -40,10 +46,10 @@ class TrainerControl(threading.Thread):
                 if isinstance(msg, Ping):
                     self.channel.send(peer, Pong(rid=msg.rid, t=msg.t))
                 elif isinstance(msg, Control):
-                    self.channel.send(peer, self._handle(msg))
+                    self.channel.send(peer, self._handle(peer, msg))
         self.channel.close()
 
-    def _handle(self, msg: Control) -> Reply:
+    def _handle(self, peer: bytes, msg: Control) -> Reply:
         f = self.flags
         try:
             if msg.cmd == "status":
@@ -55,7 +61,7 @@ class TrainerControl(threading.Thread):
             elif msg.cmd == "drain":
                 f.drain = True
             elif msg.cmd == "shutdown":
-                f.stop, f.reason = True, "ctl shutdown"
+                f.ask_to_stop(f"ctl shutdown from {sender_text(self.channel.sender(peer))}")
             elif msg.cmd == "checkpoint":
                 f.checkpoint = True
             return Reply(rid=msg.rid, ok=True, result={"accepted": msg.cmd}, error="")

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import stopping
 from common.channel import ChannelError, CurveKeys
 from common.cluster import accounting as cluster_accounting
 from common.cluster import count_by_host
@@ -53,7 +54,7 @@ from common.config import Config, ConfigError, default_gamma, default_layer_ids
 from common.exits import (EXIT_BAD_STEPS, EXIT_CONFIG, EXIT_DISK_FULL, EXIT_FAILED, EXIT_NO_CHECKPOINT_VERIFIES,
                           EXIT_OK, EXIT_OUT_DIR_IN_USE, EXIT_PLAN_CHANGED, EXIT_UNTRUSTED, cannot_write, disk_error)
 from common.liveness import process_age_s, signal_on_parent_death
-from common.metrics import StageTimes, TokenRate, start_metrics_server
+from common.metrics import StageTimes, TokenRate, human_duration, start_metrics_server, time_left_s
 from common.protocol import Welcome, new_session_secret
 from common.seqset import SeqSet
 from common.trust import Untrusted
@@ -231,6 +232,8 @@ class Trainer:
         self.epoch_samples = 0                      # source rows of an epoch (WELCOME)
         self.epoch_documents = 0                    # and the documents they make
         self.total_batches = 1
+        self.trained_total = 0                      # batches of the plan held by all ranks together (progress)
+        self.batch_rate = TokenRate()               # of `trained_total`: the time left (status, the step log)
         self.epoch_sizes: list[int] = []            # batches of every planned epoch (WELCOME): the whole plan
         self.hosts = cfg.cluster.num_hosts
         self.resumed_by_host = [0] * self.hosts     # the checkpoint's batches in each host's shard
@@ -251,6 +254,7 @@ class Trainer:
         return {"pid": os.getpid(), "state": self.state, "step": self.step, "epoch": self.epoch,
                 **stats, "last_checkpoint": self.last_checkpoint, "loss": self.last_loss,
                 "batches_trained": len(self.trained), "batches_planned": self.total_batches,
+                **self._progress(),
                 "cluster": {"host_rank": self.cfg.cluster.host_rank,
                             **cluster_accounting(self.trained_by_host, self.epoch_sizes)},
                 "skipped_steps": self.skipped_steps, "checkpoint_failures": self.checkpoint_failures,
@@ -267,6 +271,17 @@ class Trainer:
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
                 "eval": self.last_eval, "compile": dict(self.compile_state)}
+
+    def _progress(self) -> dict[str, float | None]:
+        """How far through the whole plan (every epoch, every host) and the seconds left at the
+        batch rate of the last RATE_WINDOW_S; None until the target server's WELCOME gives the plan
+        (and the time left until two steps give a rate)."""
+        if not self.epoch_sizes:
+            return {"progress": None, "eta_s": None}
+        done = max(self.trained_total, self.resumed_batches)   # a resumed run, before its first step here
+        left = time_left_s(done, self.total_batches, self.batch_rate.exact_per_s(time.monotonic()))
+        return {"progress": round(min(1.0, done / self.total_batches), 4),
+                "eta_s": None if left is None else round(left, 1)}
 
     def _samples_by_epoch(self) -> dict[int, np.ndarray]:
         return {e: np.concatenate(v) if v else np.zeros((0, 2), np.int64) for e, v in self.trained_samples.items()}
@@ -395,7 +410,7 @@ class Trainer:
                   self.last_checkpoint or "(none)", self.checkpoint_failures_in_row, limit)
         if self.checkpoint_failures_in_row >= limit and not self.flags.stop:
             # training on without checkpoints would put ever more work at risk: stop, all ranks together
-            self.flags.stop, self.flags.reason = True, f"{self.checkpoint_failures_in_row} checkpoints in a row failed"
+            self.flags.ask_to_stop(f"{self.checkpoint_failures_in_row} checkpoints in a row failed")
             self.stopped_by_checkpoint_failures = True
         return False
 
@@ -581,8 +596,11 @@ class Trainer:
             rec = {"step": self.step, "epoch": self.epoch, "loss": self.last_loss, "lr": lr, "tau": tau,
                    "tokens_per_s": self.rate.per_s(time.monotonic()), "step_tokens": step_tokens,
                    "anchors": out.num_anchors, "step_s": step_s, "wait_s": wait_s, "time": time.time()}
-            log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %.0f tok/s", self.step, self.epoch,
-                     self.last_loss, lr, tau, rec["tokens_per_s"])
+            progress = self._progress()
+            left = "" if progress["eta_s"] is None else f", {human_duration(progress['eta_s'])} left"
+            log.info("step %d epoch %d loss %.4f lr %.2e tau %.2f %s tok/s; %.1f%% of the plan%s", self.step,
+                     self.epoch, self.last_loss, lr, tau, "-" if rec["tokens_per_s"] is None
+                     else f"{rec['tokens_per_s']:.0f}", 100 * (progress["progress"] or 0.0), left)
             self.metrics.write(rec, self.step, {f"train/{k}": rec[k] for k in ("loss", "lr", "tau", "tokens_per_s")})
 
     def train_loop(self) -> int:
@@ -623,6 +641,8 @@ class Trainer:
                 self._compile_now()          # after the first step: it ran with no compile thread beside it
             self.tokens += agreed.step_tokens
             self.rate.mark(time.monotonic(), self.tokens)
+            self.trained_total = agreed.trained_total + agreed.ranks_with_batch
+            self.batch_rate.mark(time.monotonic(), self.trained_total)
             if batch is not None:
                 self._record(batch, result.out, lr, time.perf_counter() - t0, batch_at - t0, agreed.step_tokens)
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and self.ranks.rank == 0:
@@ -828,8 +848,7 @@ def main(cfg: Config) -> int:
     trainer = Trainer(cfg)
 
     def _on_term(signum, _frame) -> None:
-        trainer.flags.stop = True
-        trainer.flags.reason = signal.Signals(signum).name
+        trainer.flags.ask_to_stop(stopping.stop_signal_text(signum))
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
     if "TORCHELASTIC_RUN_ID" in os.environ:   # a torchrun rank: stop (and checkpoint) if torchrun dies

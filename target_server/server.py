@@ -52,6 +52,7 @@ from common.metrics import StageTimes, TokenRate, start_metrics_server
 from common.protocol import (Ack, Commit, Control, Hello, Message, Ping, Pong, ProtocolError, Reply, RingInfo,
                              next_rid)
 from common.ring import ProducerRing, SlotState
+from common.stopping import sender_text, stop_signal_text
 from common.trust import Untrusted
 
 from .delivery import HELDOUT, TRAIN, Action, DeliveryCore, Dispatcher, Replan, Scan, SlotView, Work, run_actions
@@ -108,6 +109,7 @@ class TargetServer:
         self.dispatcher = Dispatcher()
         self.core: DeliveryCore | None = None   # made once the data plan is known (start)
         self._stop = False
+        self.stop_reason = ""                        # who or what told it to stop (_told_to_stop)
         self._load_lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._wake_addr = f"inproc://dfpipe-wake-{id(self)}"
@@ -367,7 +369,7 @@ class TargetServer:
             self.dispatcher.set_paused(True)
             self.state = "draining"
         elif msg.cmd == "shutdown":
-            self._stop = True
+            self._told_to_stop(f"ctl shutdown from {sender_text(self.channel.sender(peer))}")
             self.state = "stopping"   # what the reply says: the loop stops before it serves again
         elif msg.cmd == "checkpoint":
             ok, error = False, "the target server keeps no durable state; checkpoint the trainer (dfpipe ctl trainer checkpoint)"
@@ -405,8 +407,8 @@ class TargetServer:
                 self.state = "warming"
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self._told_to_stop(stop_signal_text(signum)))
         svc = self.cfg.service
         last_scan = last_ping = 0.0
         try:
@@ -446,9 +448,17 @@ class TargetServer:
                     for peer in self.core.peers():
                         self.channel.send(peer, Ping(rid=next_rid(), t=time.time()))
                     self._apply(self.core.tick(now))
+            log.info("target server stopping (%s)", self.stop_reason)
         finally:
             self.shutdown()
         return EXIT_OK
+
+    def _told_to_stop(self, reason: str) -> None:
+        """Stop at the main loop's next turn; `reason` (who or what asked, the first to ask) goes
+        in the log line the server writes as it stops, which `dfpipe demo` quotes."""
+        if not self._stop:
+            self.stop_reason = reason
+        self._stop = True
 
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         now = time.monotonic()

@@ -18,7 +18,7 @@ import zmq.auth
 from common import channel as channel_module
 from common.channel import (DRAIN_BYTES, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
                             RouterChannel, check_ipc_server, is_loopback, make_curve_keys, request)
-from common.config import Config
+from common.config import Config, run_tag
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
 from common.trust import Untrusted
@@ -393,18 +393,19 @@ def test_dfpipe_keys_writes_private_certificates_and_never_overwrites(sock_dir: 
 def test_default_endpoints_live_in_a_private_per_user_folder_made_0700(monkeypatch: pytest.MonkeyPatch,
                                                                        sock_dir: str) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", sock_dir)        # a login's runtime folder: ours, 0700
-    svc = Config().service
-    assert (svc.target_endpoint, svc.trainer_endpoint) == (f"ipc://{sock_dir}/dfpipe/target.sock",
-                                                           f"ipc://{sock_dir}/dfpipe/trainer.sock")
+    cfg = Config()
+    svc, tag = cfg.service, run_tag(cfg.train.out_dir)      # each run's own names (test_config)
+    assert (svc.target_endpoint, svc.trainer_endpoint) == (f"ipc://{sock_dir}/dfpipe/{tag}-target.sock",
+                                                           f"ipc://{sock_dir}/dfpipe/{tag}-trainer.sock")
     router = RouterChannel(svc.target_endpoint)
     try:
         assert stat.S_IMODE(os.stat(os.path.join(sock_dir, "dfpipe")).st_mode) == 0o700
     finally:
         router.close()
     os.chmod(sock_dir, 0o755)                                # others may enter it: not private
-    assert Config().service.target_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/target.sock"
+    assert Config().service.target_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/{tag}-target.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert Config().service.trainer_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/trainer.sock"
+    assert Config().service.trainer_endpoint == f"ipc:///tmp/dfpipe-{os.geteuid()}/{tag}-trainer.sock"
 
 
 def test_an_endpoint_folder_or_socket_another_user_controls_is_refused_naming_them(sock_dir: str) -> None:

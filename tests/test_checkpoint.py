@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -394,3 +395,16 @@ def test_inspect_reports_each_checkpoint_s_verification(tmp_path: Path) -> None:
     assert "state.pt-checksum" in info["checkpoints"][0]["verified"]
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert main(["inspect", str(tmp_path / "checkpoints" / "step-00000004"), "--json"]) == 1
+
+
+def test_inspect_shows_when_a_checkpoint_was_saved_as_a_date_and_an_age(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from dfpipe.cli import main, saved_at
+
+    _save(tmp_path, 2)
+    assert main(["inspect", str(tmp_path)]) == 0
+    shown = re.search(r"^time: (.*)$", capsys.readouterr().out, re.M)
+    assert shown and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S* ?\(\d+s ago\)", shown[1]), shown
+    assert saved_at(1000.0, now=1000.0 + 3725).endswith("(1h02m ago)")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0          # JSON keeps the number, for machines
+    assert isinstance(json.loads(capsys.readouterr().out)["time"], float)

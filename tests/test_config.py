@@ -1,11 +1,12 @@
 """Config: typos and wrong types are errors naming the key; overrides; derived defaults."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, default_gamma, default_layer_ids, load_config
+from common.config import ConfigError, default_gamma, default_layer_ids, load_config, run_tag
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -98,6 +99,33 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, "data:\n  train_path: demo/chat.jsonl\n"))
     assert cfg.resolve(cfg.data.train_path) == str(tmp_path / "demo" / "chat.jsonl")
     assert cfg.resolve("builtin:tiny-qwen3.5") == "builtin:tiny-qwen3.5"
+
+
+def test_each_run_gets_its_own_ring_and_endpoints_unless_the_config_names_them(tmp_path: Path) -> None:
+    """Two clones, or two configs, of one user: two out_dirs, two rings, two pairs of endpoints.
+    Both services read one file, so they derive the same names; a name the config gives wins."""
+    clones = [tmp_path / "clone-a", tmp_path / "clone-b"]
+    for clone in clones:
+        (clone / "configs").mkdir(parents=True)
+        (clone / "configs" / "demo.yaml").write_text((CONFIGS / "demo.yaml").read_text())
+    a, b = (load_config(str(clone / "configs" / "demo.yaml")) for clone in clones)
+    again = load_config(str(clones[0] / "configs" / "demo.yaml"))   # the other service of clone a
+    names = lambda cfg: (cfg.ring.name, cfg.service.target_endpoint, cfg.service.trainer_endpoint)  # noqa: E731
+    assert names(a) == names(again)
+    assert not set(names(a)) & set(names(b)), (names(a), names(b))
+    tag = run_tag(str(clones[0] / "runs" / "demo"))          # the demo's out_dir: ../runs/demo
+    assert a.ring.name == f"dfpipe-{tag}" and a.service.target_endpoint.endswith(f"/{tag}-target.sock")
+    assert re.fullmatch(r"demo-[0-9a-f]{8}", tag)
+    # another config of one clone: another out_dir, other names
+    other = load_config(str(clones[0] / "configs" / "demo.yaml"), ["train.out_dir=../runs/other"])
+    assert not set(names(other)) & set(names(a))
+    # named in the config (the deployment files do): those, whatever the out_dir
+    gpu = load_config(str(CONFIGS / "gpu.yaml"), ["train.out_dir=/elsewhere"])
+    assert names(gpu) == ("dfpipe", "ipc:///run/dfpipe/target.sock", "ipc:///run/dfpipe/trainer.sock")
+    # a long, odd folder name still makes a short, safe tag: a unix socket path is at most 107 bytes
+    odd = run_tag(str(tmp_path / ("ü x/" * 3) / ("very long run name " * 8)))
+    assert re.fullmatch(r"[A-Za-z0-9._-]{1,16}-[0-9a-f]{8}", odd), odd
+    assert len(load_config(None, [f"train.out_dir={'x' * 200}"]).service.trainer_endpoint) < 100
 
 
 def test_dflash_layer_ids_and_gamma_follow_the_published_recipe() -> None:

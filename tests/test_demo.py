@@ -16,11 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+import yaml
+
+from common.config import load_config
 from common.ring import ProducerRing
-from dfpipe.demo import _continue_or_clear
+from dfpipe.demo import _continue_or_clear, _demo_lock
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
-from e2e import REPO, load, wait_for, write_config
+from e2e import REPO, assert_exactly_once, load, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -132,3 +135,92 @@ def test_the_demo_continues_an_unfinished_run_unless_asked_to_start_afresh(tmp_p
     step = _continue_or_clear(str(tmp_path / "run"), fresh)
     assert step == (5 if continues else None)
     assert (tmp_path / "run").exists() == continues
+
+
+def _default_names_config(tmp: Path, samples: int) -> Path:
+    """A small config that names no ring and no endpoint: the run's own, derived from its out_dir."""
+    config = write_config(tmp, samples=samples)
+    cfg = load(config)
+    del cfg["ring"]["name"]
+    del cfg["service"]["target_endpoint"], cfg["service"]["trainer_endpoint"]
+    config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return config
+
+
+def test_two_demos_of_one_user_side_by_side_each_train_exactly_once_and_leave_nothing(tmp_path: Path) -> None:
+    """Two clones, or two configs, of one user at once: each demo gets its own ring and endpoints
+    (from its out_dir), trains its epoch exactly once, and stops only its own services."""
+    configs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        configs.append(_default_names_config(tmp_path / name, samples=40))
+    loaded = [load_config(str(c)) for c in configs]
+    names = [(c.ring.name, c.service.target_endpoint, c.service.trainer_endpoint) for c in loaded]
+    assert not set(names[0]) & set(names[1]), names
+    demos = [start_demo(c, c.parent / "demo.out") for c in configs]
+    try:
+        rcs = [d.wait(540) for d in demos]
+    finally:
+        for d in demos:
+            d.kill()
+    said = [(c.parent / "demo.out").read_text() for c in configs]
+    assert rcs == [0, 0], said
+    for config, cfg, out, demo in zip(configs, loaded, said, demos):
+        info = assert_exactly_once(config)
+        # each demo stopped its own target server, which logged who told it to
+        target_log = (Path(cfg.resolve(cfg.train.out_dir)) / "logs" / "target.log").read_text()
+        assert f"target server stopping (ctl shutdown from pid {demo.pid} (python" in target_log, target_log[-2000:]
+        assert f"trained              samples {info['epoch_samples']}/{info['epoch_samples']} (0 duplicated)" in out
+        assert "/dev/shm left over   none" in out and f"ring {cfg.ring.name}," in out, out
+        assert not glob.glob(os.path.join(cfg.ring.shm_dir, f"{cfg.ring.name}.*"))
+        # a console that is a file: a few plain lines, only values the services reported
+        status = [line for line in out.splitlines() if line.startswith("  [")]
+        assert 1 <= len(status) <= 40, out
+        assert not re.search(r"\bNone\b|\bnan\b|/0 ", out), out
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if any(str(c) in (p.info["cmdline"] or []) for c in configs)]
+    assert not left, f"processes of the two demos left running: {left}"
+
+
+def test_a_second_demo_of_the_same_run_folder_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    config = write_config(tmp_path, samples=40)
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text("{}\n")       # the first demo's run, in progress
+    lock = _demo_lock(str(out_dir))
+    lock.acquire()                                        # as the first demo holds it
+    try:
+        res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config)], capture_output=True,
+                             text=True, timeout=120, cwd=REPO)
+    finally:
+        lock.release(unlink=True)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"another demo trains into {out_dir} (demo role is held by pid {os.getpid()}" in res.stdout, res.stdout
+    assert "--set train.out_dir=PATH" in res.stdout
+    assert (out_dir / "metrics.jsonl").exists(), "the running demo's folder is left as it is"
+
+
+def test_the_demo_redraws_one_line_on_a_terminal_and_writes_rare_plain_lines_to_a_file(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dfpipe import demo
+
+    clock = iter(float(t) for t in range(1000, 2000))        # a look a second
+    monkeypatch.setattr(demo.time, "time", lambda: next(clock))
+    monkeypatch.setenv("COLUMNS", "60")                         # a narrow terminal: the line is cut, not wrapped
+    waiting = {"state": "waiting_for_target", "step": 0, "epoch": 0, "loss": float("nan"), "tokens_per_s": None}
+    training = {**waiting, "state": "training", "loss": 4.5, "progress": 0.25, "eta_s": 90.0}
+    live = demo.Progress(t0=1000.0, live=True)
+    for status in (waiting, training):
+        live.show(None, status)
+    live.done()
+    drawn = capsys.readouterr().out
+    assert drawn.count("\r") == 2 and drawn.count("\x1b[K") == 2 and drawn.endswith("\n"), repr(drawn)
+    assert "\r[    1s] trainer[training] step 0 epoch 0, 25.0% of the pla\x1b[K" in drawn, repr(drawn)
+    assert all(len(line) <= 59 for line in re.findall(r"\r(.*?)\x1b\[K", drawn))   # one column short of the edge
+    plain = demo.Progress(t0=1000.0, live=False)
+    for status in [waiting] * 30 + [training] * 30:              # a minute of looks
+        plain.show(None, status)
+    lines = capsys.readouterr().out.splitlines()
+    # the first look, every PLAIN_EVERY_S (20 s), and the change of state
+    assert len(lines) == 4 and all(line.startswith("  [") for line in lines), lines
+    assert "nan" not in "".join(lines) and "None" not in "".join(lines)

@@ -352,3 +352,17 @@ def test_overload_statuses_are_retried_until_answered_and_a_bad_request_is_not(s
         assert failure["attempts"] == 1 and "HTTP 422" in failure["error"]
     finally:
         proxy.close()
+
+
+def test_without_a_terminal_progress_is_a_plain_line_now_and_then_with_the_time_left(monkeypatch, capsys):
+    from dfpipe import regenerate
+
+    clock = iter(float(t) for t in range(0, 1000, 10))      # a row every 10 s
+    monkeypatch.setattr(regenerate.time, "monotonic", lambda: next(clock))
+    lines = regenerate.RowLines(total=100, done=20)           # 20 rows done by an earlier run
+    for _ in range(6):
+        lines.update(1)
+    said = capsys.readouterr().err.splitlines()
+    # one line per LOG_LINE_EVERY_S (30 s), at 30 s and at 60 s: 0.1 rows/s over the last window
+    assert said == ["dfpipe regenerate: 23/100 rows (23.0%), 12m50s left",
+                    "dfpipe regenerate: 26/100 rows (26.0%), 12m20s left"], said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -291,6 +292,9 @@ def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) ->
     down = run("ctl", "target", "shutdown", "-c", str(config))    # the answer says what happens next
     assert down.returncode == 0 and "state: stopping" in down.stdout, down.stdout + down.stderr
     assert server.wait(60) == 0
+    # its log says who stopped it: the ctl process, from the kernel's credentials of its connection
+    assert re.search(rf"target server stopping \(ctl shutdown from pid \d+ \(python\S* -m dfpipe ctl target "
+                     rf"shutdown .*\), uid {os.geteuid()} ", server.log()), server.log()
 
 
 def _free_port() -> int:

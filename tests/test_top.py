@@ -11,8 +11,8 @@ import io
 import pytest
 from rich.console import Console
 
-from common.metrics import TokenRate
-from dfpipe.ctl import TOP_HEIGHT, TOP_WIDTH, TopView, uncommitted_batches
+from common.metrics import TokenRate, human_duration, time_left_s
+from dfpipe.ctl import TOP_HEIGHT, TOP_WIDTH, TopView, audit_text, summary_line, uncommitted_batches
 
 TARGET_EP, TRAINER_EP = "ipc:///tmp/dfpt/target.sock", "ipc:///tmp/dfpt/trainer.sock"
 
@@ -158,3 +158,35 @@ def test_a_status_with_missing_or_odd_fields_renders_dashes_not_a_crash() -> Non
 def test_uncommitted_batches_are_the_delivered_ones_no_commit_holds(session: dict | None,
                                                                     uncommitted: int | None) -> None:
     assert uncommitted_batches(session) == uncommitted
+
+
+def test_the_one_line_views_show_reported_values_only_and_the_time_left() -> None:
+    """`dfpipe top` into a file and the demo's line: a trainer waiting for its target (no loss yet:
+    nan; no rate: None; no plan: epoch sizes 0) shows neither None, nan nor x/0."""
+    waiting = {"state": "waiting_for_target", "step": 0, "epoch": 0, "loss": float("nan"), "tokens_per_s": None,
+               "samples_trained": 148, "epoch_samples": 0, "samples_duplicated": 0, "documents_trained": 150,
+               "epoch_documents": 0, "documents_duplicated": 0, "progress": None, "eta_s": None, "eval": None}
+    line = summary_line(None, waiting)
+    assert "None" not in line and "nan" not in line and "/0" not in line, line
+    assert line == ("target: not answering | trainer[waiting_for_target] step 0 epoch 0, samples 148 (0 duplicated), "
+                    "documents 150 (0 duplicated)")
+    training = {**trainer_status(), "progress": 0.6833, "eta_s": 95.0}
+    line = summary_line(target_status(), training)
+    assert line.startswith("target[serving] produced 57 acked 41 quarantined 0 epoch 3 | trainer[training] step 21 "
+                           "epoch 0, 68.3% of the plan, 1m35s left, loss 4.1235, 660 tok/s, eval tau 1.751 (step 20), "
+                           "samples 164/240 (0 duplicated)"), line
+    frame = "\n".join(render(target_status(), training))
+    assert "done 68.3%   left 1m35s" in frame, frame
+    assert audit_text({}) == "samples - (- duplicated), documents - (- duplicated)"
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (185, "3m05s"), (3720, "1h02m"),
+                                           (2 * 86400 + 3 * 3600 + 59, "2d03h")])
+def test_durations_read_as_people_say_them(seconds: float, text: str) -> None:
+    assert human_duration(seconds) == text
+
+
+def test_the_time_left_is_the_rest_at_the_rate_and_none_without_one() -> None:
+    assert time_left_s(40, 100, 2.0) == 30.0
+    assert time_left_s(40, 100, None) is None and time_left_s(40, 100, 0.0) is None
+    assert time_left_s(120, 100, 2.0) == 0.0

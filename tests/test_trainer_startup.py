@@ -180,5 +180,27 @@ def test_a_trainer_waiting_for_its_target_says_so_and_stops_when_told(how: str, 
             assert ctl(cfg["service"]["trainer_endpoint"], "shutdown") is not None
         assert trainer.wait(20) == 0, trainer.log()
         assert "while waiting for the target server" in trainer.log()
+        # who stopped it: a signal by its name (Python is not told its sender); a ctl shutdown by its sender
+        said = ("trainer stopping (SIGTERM (from outside" if how == "SIGTERM" else
+                f"trainer stopping (ctl shutdown from pid {os.getpid()} (python")
+        assert said in trainer.log(), trainer.log()
     finally:
         trainer.stop()
+
+
+def test_a_stop_signal_is_named_and_so_is_a_launcher_that_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common import liveness
+    from common.stopping import sender_text, stop_signal_text
+    from common.trust import Peer
+
+    monkeypatch.setattr(liveness, "_death_parent", None)
+    assert stop_signal_text(signal.SIGTERM).startswith("SIGTERM (from outside")
+    monkeypatch.setattr(liveness, "_death_parent", os.getppid())          # armed, the launcher alive
+    assert stop_signal_text(signal.SIGINT).startswith("SIGINT (from outside")
+    monkeypatch.setattr(liveness, "_death_parent", os.getppid() + 100000)  # re-parented: the launcher died
+    assert stop_signal_text(signal.SIGTERM) == (f"SIGTERM: its launcher, pid {os.getppid() + 100000}, is gone "
+                                                "(the parent-death signal)")
+    me = sender_text(Peer(uid=os.geteuid(), gid=os.getegid(), pid=os.getpid()))
+    assert me.startswith(f"pid {os.getpid()} (python") and me.endswith(f", uid {os.geteuid()} (root)"
+                                                                          if os.geteuid() == 0 else ")"), me
+    assert sender_text(None).startswith("a peer whose process is not known")
