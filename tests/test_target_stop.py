@@ -5,6 +5,7 @@ without an active exception": a thread still inside torch when the interpreter e
 reader's slot stays readable (its mapping outlives the unlinked file)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -19,15 +20,28 @@ from test_target_server import ScriptedConsumer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-# Tokens a batch: a CPU forward of the built-in target takes ~45 s on 2 cores, longer than the 30 s
-# the server used to wait for its workers before exiting anyway (slots of ~170 MB each).
-TOKEN_BUDGET = 65536
+# Tokens a batch, of documents of MAX_LEN tokens: a CPU forward of the built-in target takes ~45 s
+# on 2 cores, longer than the 30 s the server used to wait for its workers before exiting anyway
+# (slots of ~170 MB each).
+TOKEN_BUDGET, MAX_LEN = 65536, 1024
 ROUNDS = 3
 
 
+def long_chats(tmp: Path, turns: int = 16) -> None:
+    """The config's chats (tmp/chat.jsonl) merged `turns` at a time into conversations of ~MAX_LEN
+    tokens: attention over long documents is what makes the forward slow."""
+    path = tmp / "chat.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    merged = [{"messages": [m for row in rows[i:i + turns] for m in row["messages"]]}
+              for i in range(0, len(rows), turns)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in merged), encoding="utf-8")
+
+
 def test_sigint_mid_forward_while_a_reader_holds_a_slot_exits_cleanly_every_time(tmp_path: Path) -> None:
-    config = write_config(tmp_path, samples=2000, data={"token_budget": TOKEN_BUDGET, "max_len": 1024},
-                          ring={"slots": 2}, target={"warmup": False, "audit_every": 0})
+    config = write_config(tmp_path, samples=2000, data={"token_budget": TOKEN_BUDGET, "max_len": MAX_LEN},
+                          ring={"slots": 2}, target={"warmup": False, "audit_every": 0},
+                          service={"lease_s": 600.0})   # the reader answers no PING while forwards take a minute
+    long_chats(tmp_path)
     endpoint = load(config)["service"]["target_endpoint"]
     for round_ in range(ROUNDS):
         service = Service("target-server", config, tmp_path)
