@@ -594,7 +594,7 @@ def test_a_newcomer_waits_for_one_poll_and_one_frame_of_each_flooding_connection
         time.sleep(0.5)                                  # the server's queues full: RCV_HWM a connection
         in_hand = router.poll(5.0)                       # what the loop answers when the newcomer asks
         assert newcomer.send(Control(rid=next_rid(), cmd="status", args={}))
-        time.sleep(0.3)                                  # its request at the server
+        time.sleep(1.0)                                  # its request at the server
         before = len(in_hand)
         while True:
             got = router.poll(5.0)
