@@ -483,9 +483,9 @@ class _Channel:
         connections and freed when they closed (after our last drain), so the process would stay
         that much larger; malloc_trim hands every free page back. Quiet is a rate, not silence: a
         trainer's PINGs and ACKs keep coming several times a second, and waiting for none at all
-        kept a flood's hundreds of MB for as long as a trainer was connected. A service calls this every
-        turn of its loop, traffic or not; ordinary traffic (KBs a message) reaches TRIM_BYTES
-        rarely."""
+        kept a flood's hundreds of MB for as long as a trainer was connected. A service calls this
+        every turn of its loop, traffic or not; ordinary traffic (KBs a message) reaches
+        TRIM_BYTES rarely."""
         if self._untrimmed >= TRIM_BYTES and time.monotonic() - self._last_busy >= QUIET_S:
             _malloc_trim()
             self._untrimmed = 0

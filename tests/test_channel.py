@@ -15,8 +15,9 @@ import zmq
 import zmq.auth
 
 from common import channel as channel_module
-from common.channel import (DRAIN_BYTES, MAX_DRAIN, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
-                            RouterChannel, check_ipc_server, is_loopback, make_curve_keys, request)
+from common.channel import (DRAIN_BYTES, MAX_DRAIN, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys,
+                            DealerChannel, RequestTimeout, RouterChannel, check_ipc_server, is_loopback,
+                            make_curve_keys, request)
 from common.config import Config
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
