@@ -39,6 +39,14 @@ connection of a peer whose frame is larger than `max_bytes` (MAXMSGSIZE) before 
 queues at most RCV_HWM frames per connection (then stops reading it: the sender waits), and one
 `poll` takes at most DRAIN_BYTES of frames (the rest wait in libzmq's queues).
 
+No connection starves another, however much it queued: a ROUTER takes frames from its connections
+round-robin, one frame per connection in turn (libzmq's fair queueing), and one `poll` takes at
+most MAX_DRAIN frames, so a loop that answers them turn by turn answers a newcomer's request
+after at most MAX_DRAIN + (connections) others: a `dfpipe ctl` request is answered while tens of
+thousands of queued ones drain (bench/flood_bench.py). A connection's excess is not dropped: it
+waits in its own queues (RCV_HWM here, then the sender's), so the flooder is slowed, not served
+first.
+
 Sockets are not thread-safe: one thread owns a channel. Services that wait on several sockets
 register `channel.socket` with their own zmq.Poller and call `poll(0)` when it is readable.
 """
@@ -69,10 +77,13 @@ log = logging.getLogger("dfpipe.channel")
 
 DEFAULT_HWM = 1000               # frames queued for sending (per peer)
 RCV_HWM = 8                      # frames libzmq queues per connection on receiving: at most ~10 MiB a peer
-MAX_DRAIN = 1000                 # frames taken per poll() so one chatty peer cannot starve a loop
+# frames taken per poll(): what a loop answers before it looks at its connections again. A turn
+# of 1000 status requests (~1 ms each on a loaded 2-core host) kept a newcomer waiting a second.
+MAX_DRAIN = 32
 DRAIN_BYTES = 8 << 20            # bytes of frames taken per poll(): what one poll holds before decoding
 TRIM_BYTES = 16 << 20            # bytes taken after which a quiet endpoint gives freed memory back
-QUIET_S = 1.0                    # nothing taken for this long: a flood is over (`give_back_memory`)
+QUIET_S = 1.0                    # under QUIET_BYTES taken for this long: a flood is over (`give_back_memory`)
+QUIET_BYTES = 1 << 20            # ordinary traffic (a trainer's ACKs, PINGs, a HELLO) stays under this a second
 ENDPOINT_KEYS = "service.target_endpoint / service.trainer_endpoint"
 _UNIX_PATH_MAX = 107             # sun_path is 108 bytes including the terminating NUL
 _LOG_FIRST = 10                  # log every bad frame of a kind up to this many, then 1 in 1000
@@ -482,7 +493,9 @@ class _Channel:
         self.bad_messages: collections.Counter[str] = collections.Counter()
         self.dropped_sends: collections.Counter[str] = collections.Counter()  # "full", "gone", "no_peer"
         self._untrimmed = 0       # bytes taken since memory was last given back (`give_back_memory`)
-        self._last_taken = 0.0    # monotonic time of the last drain that took a frame
+        self._window_start = 0.0  # monotonic start of the current QUIET_S window of taken bytes
+        self._window_bytes = 0    # bytes taken since _window_start
+        self._last_busy = 0.0     # monotonic time a window last reached QUIET_BYTES (a flood was on)
         # ipc:// only: the kernel's credentials of each sender of the last drain, by identity (`sender`)
         self.senders: dict[bytes, Peer] = {}
 
@@ -508,18 +521,28 @@ class _Channel:
             if taken >= DRAIN_BYTES:
                 break
         if taken:
-            self._untrimmed += taken
-            self._last_taken = time.monotonic()
+            self._note_taken(taken, time.monotonic())
         return out
 
+    def _note_taken(self, taken: int, now: float) -> None:
+        self._untrimmed += taken
+        if now - self._window_start >= QUIET_S:
+            self._window_start, self._window_bytes = now, 0
+        self._window_bytes += taken
+        if self._window_bytes >= QUIET_BYTES:
+            self._last_busy = now
+
     def give_back_memory(self) -> None:
-        """Once TRIM_BYTES were taken and nothing more for QUIET_S (a flood is over, its connections
-        closed): glibc keeps the freed frames' memory in its arenas, scattered between live blocks,
-        both ours and the frames libzmq still queued for the flooding connections and freed when
-        they closed (after our last drain), so the process would stay that much larger;
-        malloc_trim hands every free page back. A service calls this every turn of its loop,
-        traffic or not; ordinary traffic (KBs a message, pauses between) reaches it rarely."""
-        if self._untrimmed >= TRIM_BYTES and time.monotonic() - self._last_taken >= QUIET_S:
+        """Once TRIM_BYTES were taken and then less than QUIET_BYTES for QUIET_S (a flood is over,
+        its connections closed): glibc keeps the freed frames' memory in its arenas, scattered
+        between live blocks, both ours and the frames libzmq still queued for the flooding
+        connections and freed when they closed (after our last drain), so the process would stay
+        that much larger; malloc_trim hands every free page back. Quiet is a rate, not silence: a
+        trainer's PINGs and ACKs keep coming several times a second, and waiting for none at all
+        kept a flood's hundreds of MB for as long as a trainer was connected. A service calls this
+        every turn of its loop, traffic or not; ordinary traffic (KBs a message) reaches
+        TRIM_BYTES rarely."""
+        if self._untrimmed >= TRIM_BYTES and time.monotonic() - self._last_busy >= QUIET_S:
             _malloc_trim()
             self._untrimmed = 0
 
@@ -584,7 +607,8 @@ class RouterChannel(_Channel):
         self._ipc_inode = (path, os.stat(path).st_ino) if path and os.path.exists(path) else None
 
     def poll(self, timeout_s: float) -> list[tuple[bytes, Message]]:
-        """Wait up to timeout_s for traffic, then take every pending frame (up to MAX_DRAIN).
+        """Wait up to timeout_s for traffic, then take the pending frames (up to MAX_DRAIN, taken
+        round-robin over the connections: call again for the rest).
         Returns (peer identity, message) pairs in arrival order; bad frames are counted, dropped."""
         out: list[tuple[bytes, Message]] = []
         for frames in self._drain(timeout_s):

@@ -61,6 +61,8 @@ from .worker import TargetWorker
 
 log = logging.getLogger(__name__)
 
+STOP_REPORT_S = 10.0   # while stopping, say every this often which worker is still computing
+
 
 class EpochPlanner:
     """The sizes of the plan's epochs, packed in a background thread: an epoch's size is known only
@@ -460,6 +462,26 @@ class TargetServer:
             self.stop_reason = reason
         self._stop = True
 
+    @staticmethod
+    def _wait_for(worker: TargetWorker) -> None:
+        """Until the worker's thread has ended, however long the step in hand takes (it stops at its
+        next check of the halt flag: after the forward it is in).
+
+        A forward cannot be cut short, and a thread still inside torch when the interpreter exits
+        aborts the process: Python ends a thread that wants the GIL back after finalization began
+        with pthread_exit, whose unwinding through torch's C++ frames calls std::terminate
+        ("terminate called without an active exception", exit status 134). A 32K-token forward on
+        the CPU outlasted the 30 s this wait used to give up after, and the ring was closed under
+        its slot views ("slot tensors still alive"). A device that never returns is what SIGKILL
+        is for (systemd's TimeoutStopSec, compose's stop_grace_period)."""
+        t0 = time.monotonic()
+        while True:
+            worker.join(timeout=STOP_REPORT_S)
+            if not worker.is_alive():
+                return
+            log.info("stopping: worker %d on %s is still in its step (%.0f s so far); waiting for it to end",
+                     worker.worker, worker.device, time.monotonic() - t0)
+
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, Hello):
@@ -486,7 +508,7 @@ class TargetServer:
             w.stop()
         for w in self.workers:
             try:
-                w.join(timeout=30)
+                self._wait_for(w)
             finally:
                 w.close()  # unlink the ring even if the worker misbehaved
         for lock in self.role_locks:

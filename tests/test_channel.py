@@ -16,8 +16,9 @@ import zmq
 import zmq.auth
 
 from common import channel as channel_module
-from common.channel import (DRAIN_BYTES, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys, DealerChannel, RequestTimeout,
-                            RouterChannel, check_ipc_server, is_loopback, make_curve_keys, request)
+from common.channel import (DRAIN_BYTES, MAX_DRAIN, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys,
+                            DealerChannel, RequestTimeout, RouterChannel, check_ipc_server, is_loopback,
+                            make_curve_keys, request)
 from common.config import Config, run_tag
 from common.protocol import Ack, Control, Hello, Message, Ping, Pong, Reply, next_rid
 from common.seqset import SeqSet
@@ -578,6 +579,70 @@ def test_memory_goes_back_once_a_flood_has_been_quiet_not_while_it_lasts(sock_di
         assert len(trims) == 1, "once per flood"
     finally:
         dealer.close()
+        router.close()
+
+
+def test_memory_goes_back_after_a_flood_while_ordinary_traffic_goes_on(sock_dir: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connected trainer sends PINGs and ACKs several times a second: the end of a flood is a
+    second with little traffic, not one with none (waiting for none kept a flood's memory for as
+    long as a trainer was connected)."""
+    trims: list[float] = []
+    monkeypatch.setattr(channel_module, "_malloc_trim", lambda: trims.append(time.monotonic()))
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2 << 20)
+    dealer = DealerChannel(router.endpoint, max_bytes=2 << 20)
+    try:
+        for _ in range(TRIM_BYTES // (1 << 20) + 2):
+            dealer.socket.send(bytes(1 << 20))
+            router.poll(0.5)
+        flood_over = time.monotonic()
+        deadline = flood_over + QUIET_S + 5
+        pings = 0
+        while not trims and time.monotonic() < deadline:
+            assert dealer.send(Ping(rid=next_rid(), t=0.0))   # a trainer's share: one every 0.1 s
+            pings += len(router.poll(0.1))
+            time.sleep(0.1)
+        assert trims, f"memory never given back while {pings} pings came"
+        assert trims[0] - flood_over >= QUIET_S * 0.8 and pings >= QUIET_S / 0.2, (trims[0] - flood_over, pings)
+    finally:
+        dealer.close()
+        router.close()
+
+
+def test_a_newcomer_waits_for_one_poll_and_one_frame_of_each_flooding_connection_at_most(sock_dir: str) -> None:
+    """50 connections with 200 requests queued each, and a newcomer asking once (`dfpipe ctl` in a
+    flood from the same user). A loop answers what one poll took before it polls again, so the
+    requests answered before the newcomer's are the poll in hand when it came plus those taken
+    ahead of it: at most MAX_DRAIN + one per connection (libzmq takes connections round-robin).
+    Counted in requests, not seconds: at ~1 ms an answer, the 1,000 frames a poll used to take
+    (1,050 answered first) kept the newcomer waiting a second."""
+    connections, queued = 50, 200
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    flooders = [DealerChannel(router.endpoint, hwm=queued) for _ in range(connections)]
+    newcomer = DealerChannel(router.endpoint)
+    try:
+        time.sleep(0.5)                                  # every connection up
+        for f in flooders:
+            for _ in range(queued):
+                assert f.send(Ping(rid=next_rid(), t=0.0))
+        time.sleep(0.5)                                  # the server's queues full: RCV_HWM a connection
+        in_hand = router.poll(5.0)                       # what the loop answers when the newcomer asks
+        assert newcomer.send(Control(rid=next_rid(), cmd="status", args={}))
+        time.sleep(1.0)                                  # its request at the server
+        before = len(in_hand)
+        while True:
+            got = router.poll(5.0)
+            assert got, "the newcomer's request never came"
+            at = next((i for i, (_, msg) in enumerate(got) if isinstance(msg, Control)), None)
+            if at is not None:
+                before += at
+                break
+            before += len(got)
+        # MAX_DRAIN + 50 (+ margin): at ~1 ms an answer on a loaded 2-core host, well under a second
+        assert before <= 3 * connections, f"{before} requests answered before the newcomer's (MAX_DRAIN {MAX_DRAIN})"
+    finally:
+        for chan in (*flooders, newcomer):
+            chan.close()
         router.close()
 
 

@@ -5,8 +5,10 @@ folder first, binds an endpoint while the target is down, sends messages to a so
 or makes a ring's names in /dev/shm first: refused and named, never trusted. The operator removing
 the ring files while both run: the target makes the ring anew and stays the one server of that
 name. A peer that floods the endpoints: both services stay bounded in memory (tolerances from the
-requirement: <= 256 MB over the idle size during the flood, back within 64 MB after) and a HELLO
-of thousands of epochs never holds the target's loop (a status answer within 1 s)."""
+requirement: <= 256 MB over the idle size during the flood, back within 64 MB after) and give it
+back within seconds although a trainer-like peer keeps pinging (issue 40); control is answered
+while 10,000 queued requests drain; a HELLO of thousands of epochs never holds the target's loop
+(a status answer within 1 s)."""
 from __future__ import annotations
 
 import fcntl
@@ -25,7 +27,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.channel import DealerChannel
+from bench.flood_bench import Pinger, request_flood, rss_anon, settled_rss
+from common.channel import QUIET_S, RCV_HWM, DealerChannel
 from common.exits import EXIT_UNTRUSTED
 from common.liveness import process_start_time
 from common.protocol import MAX_EPOCHS, Control, Hello, Ping, Reply, new_session_secret, next_rid
@@ -39,59 +42,49 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MB = 1 << 20
 FLOOD_GROWTH_MB, FLOOD_AFTER_MB = 256, 64    # the requirement's bounds (issue 30, part 5)
 LOOP_LATENCY_S = 1.0                          # no request holds the loop longer (issue 30, part 5)
+GIVE_BACK_S = QUIET_S + 4.0                   # README: memory back after a quiet second (+ a loaded host's margin)
+GIVEN_BACK_MB = 32                            # over idle once given back (measured: +2 MB; kept: 59-72 MB)
 
 
-def rss_anon(pid: int) -> int:
-    """The process's anonymous resident memory (/proc/PID/status RssAnon): what a flood could grow.
-    The ring's shared-memory pages (RssShmem) fill as the worker publishes and are not a peer's doing."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
-
-
-def settled_rss(pid: int, seconds: float = 3.0) -> int:
-    """RssAnon once it stopped moving (within 4 MB over `seconds`)."""
-    last = rss_anon(pid)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        time.sleep(seconds)
-        now = rss_anon(pid)
-        if abs(now - last) < 4 * MB:
-            return now
-        last = now
-    return last
-
-
-def flood(pid: int, endpoint: str, size: int, seconds: float, status_endpoint: str) -> dict:
-    """12 connections sending `size`-byte frames for `seconds`; the service's peak growth over its
-    idle RssAnon, what is left after, and how long status took to answer during the flood. Stops
-    the flood early once the growth passes the bound (the machine is shared)."""
-    idle = settled_rss(pid)
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "flood.py"), endpoint, "12", str(size)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    peak, answers = idle, []
-    deadline = time.monotonic() + seconds
+def flood(pid: int, endpoint: str, size: int, seconds: float, status_endpoint: str,
+          connections: int = 12, growth_mb: int = FLOOD_GROWTH_MB) -> dict:
+    """`connections` connections sending `size`-byte frames for `seconds` while a trainer-like peer
+    pings the service every 0.3 s (so the end of the flood is never silence); the service's peak
+    growth over its idle RssAnon, what is left after, how many seconds after the flood's end it was
+    back within GIVEN_BACK_MB (inf: not within 10 s), and how long status took during the flood.
+    Stops the flood early once the growth passes `growth_mb` (the machine is shared)."""
+    pinger = Pinger(endpoint)
+    pinger.start()
     try:
-        while time.monotonic() < deadline and peak - idle <= FLOOD_GROWTH_MB * MB:
-            t0 = time.monotonic()
-            answered = ctl(status_endpoint, "status", timeout=5.0) is not None
-            answers.append(time.monotonic() - t0 if answered else float("inf"))
-            for _ in range(5):
-                peak = max(peak, rss_anon(pid))
-                time.sleep(0.1)
+        idle = settled_rss(pid)
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "flood.py"), endpoint, str(connections),
+                                 str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        peak, answers = idle, []
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline and peak - idle <= growth_mb * MB:
+                t0 = time.monotonic()
+                answered = ctl(status_endpoint, "status", timeout=5.0) is not None
+                answers.append(time.monotonic() - t0 if answered else float("inf"))
+                for _ in range(5):
+                    peak = max(peak, rss_anon(pid))
+                    time.sleep(0.1)
+        finally:
+            out, _ = proc.communicate(timeout=30)   # closing its stdin stops it
+        ended = time.monotonic()
+        sent = json.loads(out)
+        after, back_s = idle, float("inf")
+        while time.monotonic() - ended < 10:   # freed memory goes back to the system within seconds
+            after = rss_anon(pid)
+            if after - idle <= GIVEN_BACK_MB * MB:
+                back_s = time.monotonic() - ended
+                break
+            time.sleep(0.1)
     finally:
-        out, _ = proc.communicate(timeout=30)   # closing its stdin stops it
-    sent = json.loads(out)
-    after = idle
-    for _ in range(40):   # freed memory goes back to the system within a few seconds
-        after = rss_anon(pid)
-        if after - idle <= FLOOD_AFTER_MB * MB:
-            break
-        time.sleep(0.25)
-    return {"growth_mb": (peak - idle) / MB, "after_mb": (after - idle) / MB, "sent_mb": sent["bytes"] / MB,
-            "status_s": max(answers)}
+        pinger.halt.set()
+        pinger.join(5)
+    return {"growth_mb": (peak - idle) / MB, "after_mb": (after - idle) / MB, "back_s": back_s,
+            "sent_mb": sent["bytes"] / MB, "status_s": max(answers)}
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +102,37 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     assert service.proc.returncode == 0, service.log()
 
 
-@pytest.mark.parametrize("size", [4 * MB, MB - 64], ids=["4MiB-frames", "frames-just-under-the-limit"])
-def test_a_flood_of_large_frames_from_12_connections_leaves_the_target_bounded(server, size: int) -> None:
+# what libzmq may hold for 50 connections: RCV_HWM frames queued a connection and one being read
+@pytest.mark.parametrize("size,connections,growth_mb", [(4 * MB, 12, FLOOD_GROWTH_MB), (MB - 64, 12, FLOOD_GROWTH_MB),
+                                                        (MB - 64, 50, 50 * (RCV_HWM + 1))],
+                         ids=["4MiB-frames", "frames-just-under-the-limit", "50-connections"])
+def test_a_flood_of_large_frames_leaves_the_target_bounded_and_it_gives_the_memory_back(
+        server, size: int, connections: int, growth_mb: int) -> None:
     service, endpoint = server["service"], server["endpoint"]
-    got = flood(service.pid, endpoint, size, seconds=5, status_endpoint=endpoint)
-    assert got["sent_mb"] > FLOOD_GROWTH_MB, f"not a flood: {got}"
-    assert got["growth_mb"] <= FLOOD_GROWTH_MB, got
-    assert got["after_mb"] <= FLOOD_AFTER_MB, got
+    got = flood(service.pid, endpoint, size, seconds=5, status_endpoint=endpoint, connections=connections,
+                growth_mb=growth_mb)
+    assert got["sent_mb"] > growth_mb, f"not a flood: {got}"
+    assert got["growth_mb"] <= growth_mb, got
+    assert got["after_mb"] <= FLOOD_AFTER_MB and got["back_s"] <= GIVE_BACK_S, got
     assert got["status_s"] < 5.0, f"the server stopped answering during the flood: {got}"
     after = ctl(endpoint, "status")
     assert after is not None and after["state"] == "serving" and after["pid"] == service.pid
+
+
+def test_control_is_answered_while_thousands_of_queued_requests_drain(server) -> None:
+    """50 connections with 200 status requests queued each (10,000: the same user's script gone
+    wrong), and a probe asking status every 0.1 s on a fresh connection meanwhile, as `dfpipe ctl`
+    does. Bounds in units of the server's own time per answer (per_request_ms, measured over the
+    drain: the host's load scales both): fair turns make the probe wait for ~32 + 50 answers
+    (bench/flood_bench.py: p50 0.08 s, p90 0.17 s at 1.3 ms an answer); 1,000-request polls made
+    it wait for ~550 at the median (0.85 s) and 1,500 at p90."""
+    got = request_flood(server["endpoint"], connections=50, requests=200)
+    assert got["answered"] == got["requests"] == 10_000, got
+    assert got["timeouts"] == 0 and got["probes"] >= 10, got
+    per_request_s = got["per_request_ms"] / 1000
+    assert got["probe_p50_s"] <= 150 * per_request_s + 0.1, got
+    assert got["probe_p90_s"] <= 300 * per_request_s + 0.2, got
+    assert ctl(server["endpoint"], "status")["state"] == "serving"
 
 
 def test_a_hello_for_thousands_of_epochs_never_holds_the_loop(server) -> None:
@@ -251,7 +265,7 @@ def test_a_flood_of_large_frames_from_12_connections_leaves_the_trainer_bounded(
         got = flood(trainer.pid, endpoint, MB - 64, seconds=5, status_endpoint=endpoint)
         assert got["sent_mb"] > FLOOD_GROWTH_MB, f"not a flood: {got}"
         assert got["growth_mb"] <= FLOOD_GROWTH_MB, got
-        assert got["after_mb"] <= FLOOD_AFTER_MB, got
+        assert got["after_mb"] <= FLOOD_AFTER_MB and got["back_s"] <= GIVE_BACK_S, got
         assert trainer.alive() and ctl(endpoint, "status") is not None
     finally:
         trainer.stop()
