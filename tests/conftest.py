@@ -16,6 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# inductor's compiled CPU kernels in the clone's .cache (git-ignored, beside the tests' tiny target)
+# rather than its default /tmp/torchinductor_<user>: the suite leaves nothing in /tmp, a fresh clone
+# compiles from scratch as CI's does, and a second run in the same clone reuses them.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".cache", "torchinductor"))
 # Several test processes (xdist workers, spawned services) share 2 cores: one intra-op thread each
 # avoids oversubscription, which makes small torch ops ~100x slower. Children inherit the env.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -30,6 +35,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import machine_speed  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The machine's slowness, measured once per session: here in the first pytest process, before
+    xdist starts its workers, which (like every subprocess of a test) inherit it through the env."""
+    machine_speed.slowness()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (f"wall-clock limits x{machine_speed.slowness():.2f} (${machine_speed.ENV}: this machine's time for "
+            "a fixed CPU workload over the reference machine's; tests/machine_speed.py)")
 
 
 @pytest.fixture
@@ -107,6 +125,15 @@ LONGEST_FIRST = ("test_tau_ci.py",)   # module file names
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the same on every worker
+    # pytest-timeout's limit of every test (its own mark, else `--timeout`, else pyproject's
+    # `timeout`), written for the reference machine, scaled to this one: a mark put first is the
+    # one pytest-timeout reads. 0 (no limit, e.g. `--timeout 0`) stays 0.
+    given = config.getoption("timeout", None)
+    default = float(config.getini("timeout") or 0) if given is None else float(given)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = default if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        item.add_marker(pytest.mark.timeout(machine_speed.scaled(limit)), append=False)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -17,10 +19,24 @@ import yaml
 
 from common.channel import CurveKeys, RequestTimeout, request
 from common.protocol import Control, Reply, next_rid
+from machine_speed import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
 CACHE = REPO / ".cache" / "dfpipe-tests"   # built-in tiny target, shared by tests and runs
+
+
+SOCKET_DIRS: list[str] = []   # made by socket_dir() in this process, removed when it exits
+
+
+def socket_dir() -> str:
+    """A fresh folder for a config's ipc:// sockets: under /tmp, as a socket's path must stay within
+    ~107 bytes (pytest's tmp_path does not). The services remove their sockets, not the folder:
+    this process removes its folders when it exits, so that the suite leaves nothing in /tmp."""
+    if not SOCKET_DIRS:
+        atexit.register(lambda: [shutil.rmtree(path, ignore_errors=True) for path in SOCKET_DIRS])
+    SOCKET_DIRS.append(tempfile.mkdtemp(prefix="dfpt-", dir="/tmp"))
+    return SOCKET_DIRS[-1]
 
 
 def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:
@@ -28,8 +44,7 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
     tag = uuid.uuid4().hex[:8]
     lines = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:samples]
     (tmp / "chat.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    sock = f"/tmp/dfpt-{tag}"
-    os.makedirs(sock, exist_ok=True)
+    sock = socket_dir()
     cfg: dict[str, dict[str, Any]] = {
         "ring": {"name": f"dfpt-{tag}", "slots": 3},
         "data": {"train_path": str(tmp / "chat.jsonl"), "token_budget": 512, "max_len": 512, "seed": 0},
@@ -177,6 +192,8 @@ class Service:
         os.kill(self.proc.pid, sig)
 
     def wait(self, timeout: float) -> int:
+        """Its exit code, waiting up to `timeout` s on the reference machine (scaled to this one)."""
+        timeout = scaled(timeout)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -214,6 +231,8 @@ def serving(endpoint: str) -> dict[str, Any] | None:
 
 
 def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
+    """fn() until it answers truthy, for up to `timeout` s on the reference machine (scaled to this one)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -227,7 +246,7 @@ def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
 def inspect_run(config: Path, run: Path | None = None) -> dict[str, Any]:
     """`dfpipe inspect --json` of the config's run folder (or `run`): its newest checkpoint that verifies."""
     out = subprocess.run([sys.executable, "-m", "dfpipe", "inspect", *([str(run)] if run else []), "-c", str(config),
-                          "--json"], capture_output=True, text=True, timeout=60)
+                          "--json"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 

@@ -21,6 +21,7 @@ from dfpipe.demo import _continue_or_clear
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
 from e2e import REPO, load, wait_for, write_config
+from machine_speed import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -87,7 +88,7 @@ def test_ctrl_c_says_how_to_continue_and_the_next_demo_continues_from_that_check
     assert not ring_files(cfg)
 
     again = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config),
-                            "--set", f"train.max_steps={step + 2}"], capture_output=True, text=True, timeout=300,
+                            "--set", f"train.max_steps={step + 2}"], capture_output=True, text=True, timeout=scaled(300),
                            cwd=REPO)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"continuing from the checkpoint at step {step} " in again.stdout
@@ -105,7 +106,7 @@ def test_a_demo_whose_ring_another_server_holds_says_so_at_the_console(tmp_path:
     role = ProducerRing.take_role("/dev/shm", cfg["ring"]["name"], 0)   # a server left over from an earlier run
     try:
         res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config)], capture_output=True,
-                             text=True, timeout=300, cwd=REPO)
+                             text=True, timeout=scaled(300), cwd=REPO)
     finally:
         role.release(unlink=True)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
