@@ -1,6 +1,8 @@
 """Test-wide guards: CPU tests run the real Qwen3.5 torch fallback and never reach the hub."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import subprocess
@@ -45,15 +47,21 @@ def pytest_configure(config: pytest.Config) -> None:
     machine_speed.slowness()
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    return (f"wall-clock limits x{machine_speed.slowness():.2f} (${machine_speed.ENV}: this machine's time for "
-            "a fixed CPU workload over the reference machine's; tests/machine_speed.py)")
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The factor, beside --durations (`make test` runs with -q, which hides the header)."""
+    terminalreporter.write_line(f"wall-clock limits x{machine_speed.slowness():.2f} (${machine_speed.ENV}: this "
+                                "machine's time for a fixed CPU workload over the reference machine's)")
 
 
 @pytest.fixture
-def ring_name() -> str:
-    """A ring name no other test (or xdist worker) uses."""
-    return f"dfpt-{uuid.uuid4().hex[:10]}"
+def ring_name() -> Iterator[str]:
+    """A ring name no other test (or xdist worker) uses; files of that name that the test left in
+    /dev/shm (a killed producer's, a stranger's) are removed after it, whatever its outcome."""
+    name = f"dfpt-{uuid.uuid4().hex[:10]}"
+    yield name
+    for path in glob.glob(f"/dev/shm/{name}.*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -27,14 +29,27 @@ CACHE = REPO / ".cache" / "dfpipe-tests"   # built-in tiny target, shared by tes
 
 
 SOCKET_DIRS: list[str] = []   # made by socket_dir() in this process, removed when it exits
+RINGS: list[str] = []   # ring names of the configs written here: files of theirs in /dev/shm go at exit too
+
+
+def remove_leftovers() -> None:
+    """At exit, once every service of this process has stopped: its socket folders (the services
+    remove their sockets, not the folder) and any ring file that a killed service left behind (the
+    tests that check the clean-up itself assert on it before this runs)."""
+    for path in SOCKET_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+    for ring in RINGS:
+        for path in glob.glob(f"/dev/shm/{ring}.*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+atexit.register(remove_leftovers)
 
 
 def socket_dir() -> str:
-    """A fresh folder for a config's ipc:// sockets: under /tmp, as a socket's path must stay within
-    ~107 bytes (pytest's tmp_path does not). The services remove their sockets, not the folder:
-    this process removes its folders when it exits, so that the suite leaves nothing in /tmp."""
-    if not SOCKET_DIRS:
-        atexit.register(lambda: [shutil.rmtree(path, ignore_errors=True) for path in SOCKET_DIRS])
+    """A fresh folder for a config's ipc:// sockets: under /tmp, as a socket's path must stay
+    within ~107 bytes (pytest's tmp_path does not). Removed when this process exits."""
     SOCKET_DIRS.append(tempfile.mkdtemp(prefix="dfpt-", dir="/tmp"))
     return SOCKET_DIRS[-1]
 
@@ -45,6 +60,7 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
     lines = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:samples]
     (tmp / "chat.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     sock = socket_dir()
+    RINGS.append(f"dfpt-{tag}")
     cfg: dict[str, dict[str, Any]] = {
         "ring": {"name": f"dfpt-{tag}", "slots": 3},
         "data": {"train_path": str(tmp / "chat.jsonl"), "token_budget": 512, "max_len": 512, "seed": 0},
