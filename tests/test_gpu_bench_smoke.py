@@ -22,8 +22,9 @@ HEADLINE = ("env", "p1", "p5", "p5d", "p23", "services", "p7")
 OTHERS = ("env", "scale", "placements", "long")
 # Below --quick's sizes, to the least that still runs each part's code (once where --quick repeats):
 # one P2 turn of 3 timed batches (after the 2 warm-up ones a worker's rate needs), 2 drafter steps
-# (scale's ranks, p5), 2 batches a target worker (scale), a 3 s P6 window and 12 P3 documents.
-SMOKE_SIZES = ("--p2-repeats", "1", "--p2-batches", "3", "--p5-steps", "2", "--scale-batches", "2",
+# (scale's ranks, p5), 3 batches a target worker (scale: a rate needs more publishes than workers),
+# a 3 s P6 window and 12 P3 documents.
+SMOKE_SIZES = ("--p2-repeats", "1", "--p2-batches", "3", "--p5-steps", "2", "--scale-batches", "3",
                "--p6-seconds", "3", "--p3-docs", "12")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
