@@ -1,6 +1,8 @@
 """Test-wide guards: CPU tests run the real Qwen3.5 torch fallback and never reach the hub."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import subprocess
@@ -16,6 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# inductor's compiled CPU kernels in the user's cache folder rather than its default
+# /tmp/torchinductor_<user>: the suite leaves nothing in /tmp, and every clone on the machine still
+# reuses them (an empty cache costs the compile tests ~4x: two of them 121 CPU-s cold, 27 warm).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dfpipe", "torchinductor"))
 # Several test processes (xdist workers, spawned services) share 2 cores: one intra-op thread each
 # avoids oversubscription, which makes small torch ops ~100x slower. Children inherit the env.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,11 +38,30 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+import machine_speed  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The machine's slowness, measured once per session: here in the first pytest process, before
+    xdist starts its workers, which (like every subprocess of a test) inherit it through the env."""
+    machine_speed.slowness()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The factor, beside --durations (`make test` runs with -q, which hides the header)."""
+    terminalreporter.write_line(f"wall-clock limits x{machine_speed.slowness():.2f} (${machine_speed.ENV}: this "
+                                "machine's time for a fixed CPU workload over the reference machine's)")
+
 
 @pytest.fixture
-def ring_name() -> str:
-    """A ring name no other test (or xdist worker) uses."""
-    return f"dfpt-{uuid.uuid4().hex[:10]}"
+def ring_name() -> Iterator[str]:
+    """A ring name no other test (or xdist worker) uses; files of that name that the test left in
+    /dev/shm (a killed producer's, a stranger's) are removed after it, whatever its outcome."""
+    name = f"dfpt-{uuid.uuid4().hex[:10]}"
+    yield name
+    for path in glob.glob(f"/dev/shm/{name}.*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 @pytest.fixture
@@ -107,6 +133,15 @@ LONGEST_FIRST = ("test_tau_ci.py",)   # module file names
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the same on every worker
+    # pytest-timeout's limit of every test (its own mark, else `--timeout`, else pyproject's
+    # `timeout`), written for the reference machine, scaled to this one: a mark put first is the
+    # one pytest-timeout reads. 0 (no limit, e.g. `--timeout 0`) stays 0.
+    given = config.getoption("timeout", None)
+    default = float(config.getini("timeout") or 0) if given is None else float(given)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = default if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        item.add_marker(pytest.mark.timeout(machine_speed.scaled(limit)), append=False)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

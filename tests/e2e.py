@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -17,10 +21,37 @@ import yaml
 
 from common.channel import CurveKeys, RequestTimeout, request
 from common.protocol import Control, Reply, next_rid
+from machine_speed import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
 CACHE = REPO / ".cache" / "dfpipe-tests"   # built-in tiny target, shared by tests and runs
+
+
+SOCKET_DIRS: list[str] = []   # made by socket_dir() in this process, removed when it exits
+RINGS: list[str] = []   # ring names of the configs written here: files of theirs in /dev/shm go at exit too
+
+
+def remove_leftovers() -> None:
+    """At exit, once every service of this process has stopped: its socket folders (the services
+    remove their sockets, not the folder) and any ring file that a killed service left behind (the
+    tests that check the clean-up itself assert on it before this runs)."""
+    for path in SOCKET_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
+    for ring in RINGS:
+        for path in glob.glob(f"/dev/shm/{ring}.*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+atexit.register(remove_leftovers)
+
+
+def socket_dir() -> str:
+    """A fresh folder for a config's ipc:// sockets: under /tmp, as a socket's path must stay
+    within ~107 bytes (pytest's tmp_path does not). Removed when this process exits."""
+    SOCKET_DIRS.append(tempfile.mkdtemp(prefix="dfpt-", dir="/tmp"))
+    return SOCKET_DIRS[-1]
 
 
 def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:
@@ -28,8 +59,8 @@ def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> P
     tag = uuid.uuid4().hex[:8]
     lines = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:samples]
     (tmp / "chat.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    sock = f"/tmp/dfpt-{tag}"
-    os.makedirs(sock, exist_ok=True)
+    sock = socket_dir()
+    RINGS.append(f"dfpt-{tag}")
     cfg: dict[str, dict[str, Any]] = {
         "ring": {"name": f"dfpt-{tag}", "slots": 3},
         "data": {"train_path": str(tmp / "chat.jsonl"), "token_budget": 512, "max_len": 512, "seed": 0},
@@ -177,6 +208,8 @@ class Service:
         os.kill(self.proc.pid, sig)
 
     def wait(self, timeout: float) -> int:
+        """Its exit code, waiting up to `timeout` s on the reference machine (scaled to this one)."""
+        timeout = scaled(timeout)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -214,6 +247,8 @@ def serving(endpoint: str) -> dict[str, Any] | None:
 
 
 def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
+    """fn() until it answers truthy, for up to `timeout` s on the reference machine (scaled to this one)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -227,7 +262,7 @@ def wait_for(fn, timeout: float, what: str, interval: float = 0.2):
 def inspect_run(config: Path, run: Path | None = None) -> dict[str, Any]:
     """`dfpipe inspect --json` of the config's run folder (or `run`): its newest checkpoint that verifies."""
     out = subprocess.run([sys.executable, "-m", "dfpipe", "inspect", *([str(run)] if run else []), "-c", str(config),
-                          "--json"], capture_output=True, text=True, timeout=60)
+                          "--json"], capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 

@@ -30,6 +30,8 @@ from typing import IO
 
 import torch
 
+from machine_speed import scaled
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STOP_POINTS_CONSUMER = ("before_claim", "mid_read", "after_read", "before_ack")
@@ -75,7 +77,9 @@ class Child:
         self.proc.stdin.flush()
 
     def expect(self, prefix: str, timeout: float = 60.0, skip: tuple[str, ...] = ("hb",)) -> list[str]:
-        """Next line starting with `prefix` (lines starting with one of `skip` are ignored), split into words."""
+        """Next line starting with `prefix` (lines starting with one of `skip` are ignored), split into words;
+        `timeout` s on the reference machine (scaled to this one)."""
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:

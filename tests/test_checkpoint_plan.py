@@ -18,6 +18,7 @@ from common.protocol import PLAN_ID_LEN, Hello, ProtocolError, Welcome, check_pl
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import TrainerState, inspect, plan_changes
 from target_server.packer import Packer, data_plan
+from machine_speed import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 META = {"source_sha256": "a" * 64, "source_format": "openai", "tokenizer_sha256": "b" * 64,
@@ -61,7 +62,7 @@ def test_the_same_plan_has_the_same_fingerprint_in_another_process() -> None:
             "meta, lengths = json.loads(sys.argv[1]); "
             "print(json.dumps(data_plan(SimpleNamespace(meta=meta), Packer(np.asarray(lengths), 512, 0))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([META, LENGTHS])], capture_output=True, text=True,
-                         timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"})
+                         timeout=scaled(120), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"})
     assert out.returncode == 0, out.stderr
     here = _plan()
     assert json.loads(out.stdout) == here and len(here["id"]) == PLAN_ID_LEN

@@ -32,6 +32,7 @@ from drafter_trainer.checkpoint import (CheckpointInvalid, NoCheckpointVerifies,
                                         inspect_run, list_moved_aside, lock_out_dir, resume_checkpoint,
                                         verify_checkpoint)
 from drafter_trainer.checkpoint import _manifest_bytes
+from machine_speed import scaled
 from stranger import UID, as_stranger, need_root
 
 STRANGER = f"uid {UID} (nobody)"
@@ -109,7 +110,7 @@ def _refusals(run: str, match: str, its_checkpoint: bool = True) -> None:
 
 def _inspect_cli(path: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dfpipe", "inspect", path], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=scaled(300))
 
 
 def test_an_out_dir_another_user_made_first_is_refused_and_its_pickle_never_runs(shared: str,

@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from dfpipe.cli import build_parser, main
+from machine_speed import scaled
 
 
 def _subcommands() -> list[str]:
@@ -43,6 +44,6 @@ def test_the_services_command_line_needs_no_http_client():
     code = ("import sys; sys.modules['httpx2'] = None\n"
             "from dfpipe.cli import build_parser\n"
             "build_parser().parse_args(['trainer', '-c', ''])\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=scaled(120),
                           env={**os.environ, "PYTHONPATH": repo})
     assert done.returncode == 0, done.stderr[-2000:]

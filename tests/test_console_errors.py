@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from e2e import Service, write_config
+from machine_speed import scaled
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dfpipe", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "dfpipe", *args], capture_output=True, text=True, timeout=scaled(120))
 
 
 def one_error_line(res: subprocess.CompletedProcess, *needles: str) -> str:

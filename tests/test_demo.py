@@ -24,6 +24,7 @@ from dfpipe.demo import _continue_or_clear, _demo_lock
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
 from e2e import REPO, assert_exactly_once, load, wait_for, write_config
+from machine_speed import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -90,7 +91,7 @@ def test_ctrl_c_says_how_to_continue_and_the_next_demo_continues_from_that_check
     assert not ring_files(cfg)
 
     again = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config),
-                            "--set", f"train.max_steps={step + 2}"], capture_output=True, text=True, timeout=300,
+                            "--set", f"train.max_steps={step + 2}"], capture_output=True, text=True, timeout=scaled(300),
                            cwd=REPO)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"continuing from the checkpoint at step {step} " in again.stdout
@@ -108,7 +109,7 @@ def test_a_demo_whose_ring_another_server_holds_says_so_at_the_console(tmp_path:
     role = ProducerRing.take_role("/dev/shm", cfg["ring"]["name"], 0)   # a server left over from an earlier run
     try:
         res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config)], capture_output=True,
-                             text=True, timeout=300, cwd=REPO)
+                             text=True, timeout=scaled(300), cwd=REPO)
     finally:
         role.release(unlink=True)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
@@ -159,7 +160,7 @@ def test_two_demos_of_one_user_side_by_side_each_train_exactly_once_and_leave_no
     assert not set(names[0]) & set(names[1]), names
     demos = [start_demo(c, c.parent / "demo.out") for c in configs]
     try:
-        rcs = [d.wait(540) for d in demos]
+        rcs = [d.wait(scaled(540)) for d in demos]
     finally:
         for d in demos:
             d.kill()
@@ -191,7 +192,7 @@ def test_a_second_demo_of_the_same_run_folder_is_refused_and_touches_nothing(tmp
     lock.acquire()                                        # as the first demo holds it
     try:
         res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config)], capture_output=True,
-                             text=True, timeout=120, cwd=REPO)
+                             text=True, timeout=scaled(120), cwd=REPO)
     finally:
         lock.release(unlink=True)
     assert res.returncode == 1, res.stdout + res.stderr

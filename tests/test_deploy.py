@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
+from machine_speed import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 UNITS = REPO / "deploy" / "systemd"
 
@@ -34,7 +36,7 @@ def _compose_config(*files: Path) -> subprocess.CompletedProcess:
     tool = _tool("docker-compose")
     args = [a for f in files for a in ("-f", str(f))]
     return subprocess.run([tool, *args, "config"], capture_output=True, text=True,
-                          cwd=files[0].parent if files else REPO, timeout=60)
+                          cwd=files[0].parent if files else REPO, timeout=scaled(60))
 
 
 def _gpus(svc: dict) -> list[str]:
@@ -136,7 +138,7 @@ def test_compose_validator_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def _verify_units(paths: list[Path]) -> subprocess.CompletedProcess:
     tool = _tool("systemd-analyze")
-    return subprocess.run([tool, "verify", *map(str, paths)], capture_output=True, text=True, timeout=60)
+    return subprocess.run([tool, "verify", *map(str, paths)], capture_output=True, text=True, timeout=scaled(60))
 
 
 def _units_with_local_binaries(tmp_path: Path) -> list[Path]:
@@ -221,7 +223,7 @@ def test_compose_takes_the_host_rank_and_rendezvous_from_the_environment() -> No
             files.append(REPO / "deploy" / "compose" / "multihost.yml")
         tool = _tool("docker-compose")
         res = subprocess.run([tool, *[a for f in files for a in ("-f", str(f))], "config"], capture_output=True,
-                             text=True, cwd=REPO, timeout=60,
+                             text=True, cwd=REPO, timeout=scaled(60),
                              env={**{k: v for k, v in os.environ.items() if not k.startswith("DFPIPE_")}, **env})
         assert res.returncode == 0, res.stderr
         services = yaml.safe_load(res.stdout)["services"]
@@ -302,7 +304,7 @@ def test_a_target_refused_with_a_final_status_ends_with_0_only_under_compose(tmp
         env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_environment("target-server")["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
     done = subprocess.run([sys.executable, "-m", "dfpipe", "target-server", "-c", str(REPO / "configs" / "demo.yaml"),
                            "--set", f"target.model={tmp_path / 'missing'}", "--set", "target.devices=[cpu]"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=scaled(300), env=env, cwd=tmp_path)
     assert done.returncode == (EXIT_OK if under_compose else EXIT_CONFIG), done.stderr[-2000:]
     assert "target.model: no such folder" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert ("ending with 0 so that the container is not restarted" in done.stderr) == under_compose
@@ -331,7 +333,7 @@ def test_dfpipe_torchrun_passes_on_a_rank_s_final_status(tmp_path: Path, rank_st
     if under_compose:
         env["DFPIPE_FINAL_EXIT_AS_SUCCESS"] = compose_environment("trainer")["DFPIPE_FINAL_EXIT_AS_SUCCESS"]
     done = subprocess.run([sys.executable, "-m", "dfpipe", "torchrun", "--standalone", "--nproc-per-node", "1",
-                           str(rank)], capture_output=True, text=True, timeout=120, env=env)
+                           str(rank)], capture_output=True, text=True, timeout=scaled(120), env=env)
     assert done.returncode == launcher_status, done.stderr[-2000:]
 
 

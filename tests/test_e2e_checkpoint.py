@@ -19,6 +19,7 @@ import pytest
 from drafter_trainer.checkpoint import SAVE_FAULT_POINTS
 from drafter_trainer.checkpoint import inspect_run as verify_run
 from e2e import Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for, write_config
+from machine_speed import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -166,7 +167,7 @@ def test_a_run_that_ends_on_a_full_disk_keeps_its_last_good_checkpoint_and_says_
     info = inspect_run(served, run)
     assert info["step"] == 3 and info["verified"] == "ok"
     exported = subprocess.run([sys.executable, "-m", "dfpipe", "export", "-c", str(served), "--checkpoint", str(last),
-                               "--out", str(tmp_path / "export")], capture_output=True, text=True, timeout=120)
+                               "--out", str(tmp_path / "export")], capture_output=True, text=True, timeout=scaled(120))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "export" / "config.json").is_file() and (tmp_path / "export" / "model.safetensors").is_file()
     # room again: the restart resumes from it and the run ends exactly once, exported

@@ -19,6 +19,7 @@ import pytest
 from drafter_trainer.checkpoint import read_meta
 from e2e import (CACHE, DEMO, REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving, wait_for,
                  write_config, write_heldout)
+from machine_speed import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -225,7 +226,7 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
         # first): one frame in 80x24 with both panels and the trainer's eval tau
         assert ctl(cfg["service"]["trainer_endpoint"], "pause") == {"accepted": "pause"}
         top = subprocess.run([sys.executable, "-m", "dfpipe", "top", "-c", str(config), "--once"], capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "COLUMNS": "80", "LINES": "24"})
+                             text=True, timeout=scaled(60), env={**os.environ, "COLUMNS": "80", "LINES": "24"})
         assert ctl(cfg["service"]["trainer_endpoint"], "resume") == {"accepted": "resume"}
         lines = top.stdout.rstrip("\n").split("\n")
         assert top.returncode == 0 and len(lines) <= 24 and max(map(len, lines)) <= 80, top.stdout + top.stderr
@@ -264,7 +265,7 @@ def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: 
                           "--set", f"data.train_path={tmp_path / 'chat.jsonl'}", "--set", f"ring.name={ring_name}",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+                         capture_output=True, text=True, timeout=scaled(600), cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert re.search(r"trained              samples 600/600 \(0 duplicated\), documents ([\d,]+)/\1 "
                      r"\(0 duplicated\)", res.stdout), res.stdout[-3000:]

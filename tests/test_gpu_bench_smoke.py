@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from machine_speed import scaled, slowness
 from tolerances import tol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,8 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 # suite's slowest test: the chat-length headline parts, and the others (with the scripts run by hand).
 HEADLINE = ("env", "p1", "p5", "p5d", "p23", "services", "p7")
 OTHERS = ("env", "scale", "placements", "long")
+# Below --quick's sizes, to the least that still runs each part's code (once where --quick repeats):
+# one P2 turn of 3 timed batches (after the 2 warm-up ones a worker's rate needs), 2 drafter steps
+# (scale's ranks, p5), 3 batches a target worker (scale: a rate needs more publishes than workers),
+# a 3 s P6 window and 12 P3 documents.
+SMOKE_SIZES = ("--p2-repeats", "1", "--p2-batches", "3", "--p5-steps", "2", "--scale-batches", "3",
+               "--p6-seconds", "3", "--p3-docs", "12")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+
+
+def limits_env(budget_s: float) -> dict[str, str]:
+    """run_all.sh's wall-clock limits, set for the reference machine, scaled to this one: the run's
+    budget and every part's upper limit."""
+    return {"BENCH_BUDGET_S": str(round(scaled(budget_s))), "BENCH_LIMIT_PERCENT": str(round(100 * slowness()))}
 
 
 def run_quick(tmp_path: Path, parts: tuple[str, ...]) -> tuple[dict, dict, str]:
@@ -28,10 +41,11 @@ def run_quick(tmp_path: Path, parts: tuple[str, ...]) -> tuple[dict, dict, str]:
     and no ring of the run left in /dev/shm."""
     run_id = f"smoke{os.getpid()}{parts[1]}"
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "BENCH_PARTS": " ".join(parts), "BENCH_BUDGET_S": "900",
+           "PYTHON": sys.executable, "BENCH_PARTS": " ".join(parts), **limits_env(900),
            "OMP_NUM_THREADS": "1", "DFPIPE_BENCH_RUN_ID": run_id}
-    res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=660)
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick", *SMOKE_SIZES,
+                          "--step-timeout", str(scaled(240))], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=scaled(660))
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     logs = {p: (tmp_path / "out" / f"{p}.log").read_text(errors="replace")[-3000:]
             for p in parts if (tmp_path / "out" / f"{p}.log").exists()}
@@ -47,7 +61,7 @@ def test_a_part_starts_while_the_budget_left_covers_its_own_need(tmp_path: Path)
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
            "PYTHON": sys.executable, "BENCH_PARTS": "p7", "BENCH_BUDGET_S": "14", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     p7 = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]["p7"]
     assert p7["status"] == "skipped" and "needs p23" in p7["error"], (p7, res.stdout[-2000:])
 
@@ -93,8 +107,8 @@ def test_the_other_benchmark_parts_and_scripts_run_at_quick_sizes(tmp_path: Path
 
     # the FP8 target part (not in the default run: BENCH_PARTS="env fp8") on the same fixtures; no
     # FP8 matmuls on the CPU, so its quantized weights run dequantized
-    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "gpu_bench.py"), "fp8", "--quick"],
-                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "gpu_bench.py"), "fp8", "--quick", *SMOKE_SIZES],
+                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=scaled(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     fp8 = results["parts"]["fp8"]["figures"]
@@ -110,7 +124,7 @@ def test_the_other_benchmark_parts_and_scripts_run_at_quick_sizes(tmp_path: Path
                           str(tmp_path / "work"), "--out-json", str(first), "--device", "cpu", "--attn", "split",
                           "--layers", "1", "--anchors", "8", "--block", "4", "--loss-chunk", "64",
                           "--profile", str(tmp_path / "profile.txt")],
-                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=scaled(300))
     assert res.returncode == 0, res.stderr[-3000:]
     steps = json.loads(first.read_text())["steps"]
     assert len(steps) == 3 and all(s["step"] > 0 and s["train_step"] > 0 and s["loss"] > 0 for s in steps)
@@ -123,7 +137,7 @@ def test_the_other_benchmark_parts_and_scripts_run_at_quick_sizes(tmp_path: Path
                           "--device", "cpu", "--forward-only", "--repeats", "1", "--segment-rows", "64",
                           "--blocks-per-chunk", "32", "--variants", "split,flex,flex-range,flex-seg,flash"],
                          cwd=REPO, env={**env, "PYTHONPATH": str(REPO), "OUT": str(sweep_out)},
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=scaled(300))
     assert res.returncode == 0, res.stderr[-3000:]
     sweep = json.loads((sweep_out / "attn_sweep.json").read_text())
     shape = json.loads(res.stdout.splitlines()[0])
@@ -146,8 +160,8 @@ def test_transport_fails_fast_when_its_consumer_process_dies(tmp_path: Path) -> 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"consumer process exited \(code 3\)"):
         run_transport(2, 64, 32, torch.device("cpu"), "cpu", str(tmp_path), "dfpgb-deadtest", 2, 4, str(dead),
-                      timeout_s=60.0)
-    assert time.monotonic() - t0 < 20, "a dead consumer must not leave the producer waiting out its timeout"
+                      timeout_s=scaled(60.0))
+    assert time.monotonic() - t0 < scaled(20), "a dead consumer must not leave the producer waiting out its timeout"
 
 
 def test_killing_a_service_also_kills_ranks_in_sessions_of_their_own(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from common.ring import ConsumerRing, SlotState
 from common.seqset import SeqSet
 from e2e import REPO, Service, assert_exactly_once, ctl, load, serving, wait_for, write_config, write_heldout
 from test_target_server import ScriptedConsumer
+from machine_speed import scaled
 
 INT64 = 1 << 64
 
@@ -116,7 +117,7 @@ def test_cuda_and_cpu_give_the_same_checksums() -> None:
 def test_the_gpu_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "checksum_bench.py"), "--device", "cpu",
                           "--tokens", "96", "--layers", "2", "--hidden", "40", "--docs", "7", "--repeats", "2",
-                          "--warmup", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          "--warmup", "1"], capture_output=True, text=True, timeout=scaled(120), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["payload_bytes"] == 2 * 96 * 40 * 2 + 96 * (4 + 1 + 4) + 7 * (4 + 8 + 8)   # doc_lens, sample_ids, doc_ids

@@ -18,12 +18,13 @@ from common.config import Config, ConfigError, validate
 from common.preflight import check_endpoint, Problems, port_problem, writable_folder_problem
 from drafter_trainer.fp8 import fp8_supported
 from drafter_trainer.preflight import mask_token_id
+from machine_speed import scaled
 from e2e import DEMO, load, write_config
 
 
 def run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "dfpipe", *args], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "dfpipe", *args], capture_output=True, text=True, timeout=scaled(120))
     return res, time.monotonic() - t0
 
 

@@ -27,6 +27,7 @@ from common.trust import Untrusted
 from ring_procs import Child, payload_crc
 from stranger import UID as STRANGER
 from stranger import need_root
+from machine_speed import scaled
 
 MiB = 1 << 20
 
@@ -409,7 +410,7 @@ def test_a_role_taken_ahead_is_refused_to_a_second_producer_and_a_failed_create_
         assert RoleLock.anyone_holds(small, f"{ring_name}.w0", "producer")
         code = ("import sys; from common.ring import ProducerRing; "
                 f"ProducerRing.take_role({small!r}, {ring_name!r}, 0)")
-        second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
         assert second.returncode != 0 and f"held by pid {os.getpid()}" in second.stderr, second.stderr
         with pytest.raises(RingSpaceError):
             ProducerRing.create(small, ring_name, 0, slot_count=4, slot_size=MiB, cuda_register="off", role=role)

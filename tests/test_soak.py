@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.soak import ACTIONS, TARGET_KILL, audit_epochs, lifetime_trends  # noqa: E402
+from machine_speed import scaled
 
 
 def _info(epoch: int, size: int, **epochs: tuple[int, int]) -> dict:
@@ -59,7 +60,7 @@ def test_a_short_soak_takes_every_action_and_loses_nothing(tmp_path: Path) -> No
     out = tmp_path / "soak.json"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--minutes", "0", "--samples", "60",
                           "--seed", "3", "--every-action-first", "--workdir", str(tmp_path), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=560)
+                         cwd=REPO, capture_output=True, text=True, timeout=scaled(560))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["failures"] == []

@@ -27,6 +27,7 @@ from common.seqset import SeqSet
 from e2e import Service, ctl, load, serving, wait_for, write_config, write_heldout
 from target_server.delivery import Dispatcher
 from target_server.worker import TargetWorker, audit_hidden
+from machine_speed import scaled
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,6 +53,7 @@ class ScriptedConsumer:
         self.ended = False
 
     def _expect(self, kind: type, timeout: float):
+        timeout = scaled(timeout)   # s on the reference machine
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = self.chan.recv(timeout_s=0.5)
@@ -64,9 +66,10 @@ class ScriptedConsumer:
 
     def take(self, n: int, timeout: float = 120, heldout: int | None = None) -> list[int]:
         """Ack the next n announced batches (checking each slot's payload); returns their seqs.
-        heldout: stop as soon as that many held-out batches were announced."""
+        heldout: stop as soon as that many held-out batches were announced. `timeout`: s on the
+        reference machine (scaled to this one)."""
         got: list[int] = []
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while len(got) < n and time.monotonic() < deadline and (heldout is None or len(self.heldout) < heldout):
             msg = self.chan.recv(timeout_s=0.5)
             if isinstance(msg, EpochEnd):
@@ -284,7 +287,7 @@ def test_control_commands_and_clear_errors(two_worker_server, tmp_path: Path) ->
     top = run("top", "-c", str(config), "--iterations", "1")    # not a terminal: one summary line a refresh
     assert top.returncode == 0 and "target[serving]" in top.stdout and "trainer: not answering" in top.stdout
     frame = subprocess.run([sys.executable, "-m", "dfpipe", "top", "-c", str(config), "--once"], capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "COLUMNS": "80", "LINES": "24"})
+                           text=True, timeout=scaled(60), env={**os.environ, "COLUMNS": "80", "LINES": "24"})
     lines = frame.stdout.rstrip("\n").split("\n")
     assert frame.returncode == 0 and len(lines) <= 24 and max(map(len, lines)) <= 80, frame.stdout + frame.stderr
     assert "target server serving" in frame.stdout and "ring slots ready" in frame.stdout

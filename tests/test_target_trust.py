@@ -18,6 +18,7 @@ from common.protocol import Ack, Commit, Hello, Reply, new_session_secret, next_
 from common.seqset import SEQ_LIMIT, SeqSet
 from e2e import Service, assert_exactly_once, ctl, load, serving, wait_for, write_config
 from test_target_server import ScriptedConsumer
+from machine_speed import scaled
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,6 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _answer(chan: DealerChannel, kind: type, timeout: float = 10):
+    timeout = scaled(timeout)   # s on the reference machine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         msg = chan.recv(timeout_s=0.5)
@@ -197,7 +199,7 @@ def test_both_services_on_public_tcp_endpoints_with_curve_keys_train_exactly_onc
         assert trainer.wait(300) == 0, trainer.log()
         assert_exactly_once(config)
         cli = subprocess.run([sys.executable, "-m", "dfpipe", "ctl", "target", "status", "--json", "-c", str(config)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=scaled(60))
         assert cli.returncode == 0 and json.loads(cli.stdout)["pid"] == target.pid, cli.stderr   # ctl over CURVE
         # over tcp the server tells a gone trainer by its silence (lease_s), then ends the session as finished
         wait_for(lambda: (s := ctl(target_ep, "status", curve=keys)) and s["finished"] == 1, 30, "session finished")

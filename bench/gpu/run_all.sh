@@ -13,8 +13,9 @@
 # against bf16 on the same batches, and their gradients' cosine) to p5d.
 # Other parts (tests copycheck p1 p5 scale placements fp8lib fp8 long) run when BENCH_PARTS names
 # them: BENCH_PARTS="env fp8" the FP8 target (P8), "env long" whole 32K-token documents (P2L, P5dL). Environment: OUT (default ./out), BENCH_BUDGET_S (wall budget of the whole run,
-# default 570), PYTHON (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service
-# runs; default /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part. The
+# default 570), BENCH_LIMIT_PERCENT (every part's upper limit, in percent; default 100), PYTHON
+# (default python3), DFPIPE_BENCH_WORKDIR (fixtures, Triton cache, service runs; default
+# /tmp/dfpipe-gpu-bench). $OUT receives results.json and one .log per part. The
 # table of results is printed last: anything not measured says so.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -76,18 +77,21 @@ read -ra PARTS <<< "${BENCH_PARTS:-env p5d p23 services p7}"  # BENCH_PARTS: the
 declare -A LIMIT=([env]=150 [tests]=${TESTS_LIMIT:-400} [copycheck]=180 [p1]=90 [p5]=${P5_LIMIT:-180} [p5d]=${P5D_LIMIT:-240} [p7]=30 [p23]=${P23_LIMIT:-150}
                   [services]=330 [scale]=${SCALE_LIMIT:-300} [placements]=${PLACEMENTS_LIMIT:-300} [fp8lib]=120
                   [long]=${LONG_LIMIT:-240} [fp8]=150)
+# BENCH_LIMIT_PERCENT scales every LIMIT (the CPU smoke run on a slower or busier machine: tests/machine_speed.py)
+LIMIT_PERCENT=${BENCH_LIMIT_PERCENT:-100}
 declare -A NEED=([env]=30 [tests]=40 [copycheck]=40 [p1]=15 [p5]=30 [p5d]=120 [p7]=5 [p23]=60 [services]=200 [scale]=60
                  [placements]=100 [fp8lib]=40 [long]=60 [fp8]=60)
 
 run_part() {
-  local name=$1 i later=0 left t rc t0
+  local name=$1 i later=0 left t rc t0 limit
   for (( i = ${#PARTS[@]} - 1; i >= 0; i-- )); do
     [[ ${PARTS[i]} == "$name" ]] && break
     later=$(( later + NEED[${PARTS[i]}] ))
   done
   left=$(( BUDGET_S - ($(date +%s) - START) ))
   t=$(( left - later ))
-  (( t > LIMIT[$name] )) && t=${LIMIT[$name]}
+  limit=$(( LIMIT[$name] * LIMIT_PERCENT / 100 ))
+  (( t > limit )) && t=$limit
   (( t < NEED[$name] && left >= NEED[$name] )) && t=${NEED[$name]}
   # a part starts with at least its own need, or 15 s for one needing more (P7's projection takes ~5)
   if (( t < (NEED[$name] < 15 ? NEED[$name] : 15) )); then
