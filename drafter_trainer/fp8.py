@@ -25,7 +25,7 @@ Three ways to run a scaled matmul:
   multiples of 16; the token dimension is padded with zero rows where it is contracted (grad W).
 - "fp8-emulated": the same quantization (the same e4m3 values and scales), then the product of the
   dequantized operands in fp32, rounded to the compute dtype. Any device; it checks the effect of
-  FP8 rounding on training (the CPU tests' quality gate), not its speed.
+  FP8 rounding on training (the CPU's fidelity check, dfpipe.toy_target), not its speed.
 - anything else: the plain matmul in the compute dtype (the bf16 path).
 
 The frozen target head's two matmuls in the loss (the logits h W^T and the input gradient g W) stay

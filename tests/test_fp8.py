@@ -285,7 +285,7 @@ def test_held_out_eval_runs_the_drafter_as_served_and_training_resumes_in_fp8() 
 
 
 def test_compute_dtype_bf16_runs_the_cpu_step_in_bf16_as_the_gpu_does() -> None:
-    """The CPU's FP8 quality gate can compare FP8 with the GPU's compute dtype: train.compute_dtype
+    """A CPU run can use the GPU's compute dtype: train.compute_dtype
     bf16 is honoured on a CPU (auto stays fp32 there, bf16 on CUDA unless fp32 is asked for)."""
     from common.config import Config
     from drafter_trainer.step import StepSettings
