@@ -654,8 +654,9 @@ def fp8_fidelity_along_training(target_dir: str, rows: list[dict[str, Any]], rec
                                 max_steps: int, seed: int = 0) -> list[GradientFidelity]:
     """Train a drafter for the toy target on the one batch of `rows` (fp32, AdamW at recipe.lr,
     recipe.max_anchors anchors a document, fixed) and check FP8's gradient fidelity
-    (`gradient_fidelity`) at the start and at the first step whose training accuracy reaches each
-    of FIDELITY_ACCURACIES: sharp predictions, the regime where FP8 once lost gradient. The end is
+    (`gradient_fidelity`) at the start and right after the first step whose training accuracy
+    (of the weights it updates) reaches each of FIDELITY_ACCURACIES (so a point's own accuracy may
+    be a little lower): sharp predictions, the regime where FP8 once lost gradient. The end is
     sharp, not memorised: there the gradient of the batch vanishes into rounding noise (even bf16's
     cosine to fp32 falls below 0.5 at accuracy 0.998). Raises RuntimeError when `max_steps` do not
     reach the last accuracy."""
