@@ -457,7 +457,6 @@ ring:
   slots: 4
 data:
   train_path: {data}
-  heldout_path: "{heldout}"
   token_budget: {token_budget}
   max_len: 1024
   seed: {seed}
@@ -466,7 +465,6 @@ target:
   cache_dir: {run}/cache
   devices: [cpu]
   audit_every: 0
-  dtype: {compute_dtype}
 drafter:
   num_layers: {layers}
   block_size: {block}
@@ -481,9 +479,6 @@ train:
   checkpoint_every: {every}
   keep_checkpoints: 1000
   log_every: 5
-  eval_every: {eval_every}
-  eval_batches: {eval_batches}
-  compute_dtype: {compute_dtype}
   seed: {seed}
   tensorboard: false
 service:
@@ -496,17 +491,13 @@ service:
 
 
 def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str, recipe: DrafterRecipe,
-                                   epochs: int, seed: int = 0, checkpoint_every: int = 0, heldout_path: str = "",
-                                   eval_every: int = 5, eval_batches: int = 2, compute_dtype: str = "auto") -> str:
+                                   epochs: int, seed: int = 0, checkpoint_every: int = 0) -> str:
     """Train a drafter for the toy target on the chat file `data_path` through both services, the
     path users run (`dfpipe demo`: target server -> /dev/shm ring -> trainer), `epochs` whole
     epochs (the learning-rate schedule runs to its end). Returns the config it wrote; the run's
     checkpoints are in `<run_dir>/train` (every `checkpoint_every` steps; 0: only the final
-    one) and the final drafter in `<run_dir>/train/export`. With `heldout_path` the trainer
-    evaluates on its first `eval_batches` batches every `eval_every` steps (`eval_loss`, `eval_tau`
-    records in `<run_dir>/train/metrics.jsonl`, `final_heldout_loss`). `compute_dtype` is both the
-    target's dtype and the trainer's autocast dtype (auto: bf16 on a GPU, fp32 on a CPU; bf16 on
-    a CPU runs the GPU's dtypes about 5x slower). Raises RuntimeError if the run fails.
+    one) and the final drafter in `<run_dir>/train/export`; the compute dtype is the device's
+    (fp32 on a CPU). Raises RuntimeError if the run fails.
     """
     from dfpipe.demo import run_demo
 
@@ -519,9 +510,7 @@ def train_drafter_through_services(target_dir: str, data_path: str, run_dir: str
             seed=seed, target=os.path.abspath(target_dir), run=os.path.abspath(run_dir), layers=recipe.num_layers,
             block=recipe.block_size, anchors=recipe.max_anchors, epochs=epochs, lr=recipe.lr,
             warmup_ratio=recipe.warmup_ratio, min_lr_ratio=recipe.min_lr_ratio,
-            every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision,
-            heldout=os.path.abspath(heldout_path) if heldout_path else "", eval_every=eval_every if heldout_path else 0,
-            eval_batches=eval_batches, compute_dtype=compute_dtype))
+            every=checkpoint_every or 1_000_000, sockets=sockets, precision=recipe.precision))
     try:
         rc = run_demo(config, fresh=True)   # a whole training, never one continued
     finally:
@@ -541,19 +530,6 @@ def planned_steps(target_dir: str, samples: list[toy_corpus.Sample], recipe: Dra
 
     lengths = np.array([len(ids) for ids, _ in encode_chats(load_tokenizer(target_dir), samples)])
     return sum(Packer(lengths, recipe.token_budget, seed).epoch_sizes(epochs))
-
-
-def final_heldout_loss(run_dir: str) -> float:
-    """The last held-out loss the trainer of `train_drafter_through_services(run_dir=...)` recorded:
-    the same held-out batches and anchors in every run, unlike a training step's loss, which depends
-    on the batch the ring delivered at that step."""
-    path = os.path.join(run_dir, "train", "metrics.jsonl")
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
-    if not evals:
-        raise RuntimeError(f"no held-out eval in {path} (train_drafter_through_services needs heldout_path)")
-    return float(evals[-1])
 
 
 # Issue 39's FP8 fidelity check. Comparing whole trainings (FP8 against bf16, paired by seed) was
