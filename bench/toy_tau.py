@@ -19,13 +19,11 @@ The full procedure, each stage cached under --cache-dir so a rerun skips what it
 Writes bench/out/toy_tau.json, bench/out/toy_tau.png (tau vs steps) and the final drafter export
 under the cache dir, and prints a markdown table for docs/benchmarks.md.
 
-With --gate it runs the FP8 quality gate instead of stage 3-4's curve: for each of --gate-seeds seeds
-two trainings through both services (bf16, and fp8-emulated with the same seed and batches), each
-drafter's final held-out loss (the trainer's eval of --gate-heldout rows) and tau, the gate over
-the pairs (`dfpipe.toy_target.Fp8Gate`: mean differences with one-sided 95% bounds), bf16's
-spread across seeds, and FP8's cost per part in one step without training noise ->
-bench/out/fp8_gate.json. Each training is cached under --cache-dir: a rerun with more seeds
-trains only the new ones.
+With --fidelity it checks FP8 instead of stage 3-4's curve (`dfpipe.toy_target.fp8_fidelity_along_training`):
+a drafter trained in-process on the first --fidelity-rows rows of stage 2's data until its
+predictions are sharp, and at the start, middle and end one step's gradient in fp8-emulated against
+fp32 and bf16 on the same weights and batch; prints the per-parameter cosines and the loss
+difference, writes bench/out/fp8_fidelity.json, exits 1 if a point misses the gate.
 """
 from __future__ import annotations
 
@@ -36,10 +34,9 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,172 +152,33 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
     return exports
 
 
-def gate_run(target_dir: str, data_path: str, heldout_path: str, prompts_file: str, run: str,
-             recipe: tt.DrafterRecipe, epochs: int, steps: int, seed: int, eval_batches: int, compute_dtype: str,
-             max_new_tokens: int) -> dict[str, Any]:
-    """One of the gate's trainings through both services, its final held-out loss and its tau
-    (decoded, lossless check), cached as `<run>/gate.json`: a rerun skips the runs already done.
-    Runs in its own process (--gate-jobs): it starts its own services."""
-    from drafter_trainer.export import load_drafter
-
-    done = os.path.join(run, "gate.json")
-    if os.path.isfile(done):
-        with open(done, encoding="utf-8") as f:
-            return json.load(f)
-    shutil.rmtree(run, ignore_errors=True)
-    t = time.monotonic()
-    tt.train_drafter_through_services(target_dir, data_path, run, recipe, epochs, seed=seed,
-                                      heldout_path=heldout_path, eval_every=steps, eval_batches=eval_batches,
-                                      compute_dtype=compute_dtype)
-    train_s = time.monotonic() - t
-    tokenizer = tt.load_tokenizer(target_dir)
-    drafter = load_drafter(os.path.join(run, "train", "export"), target_dir)
-    target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
-    report = ev.evaluate(target, drafter, ev.load_prompts(prompts_file, tokenizer), max_new_tokens,
-                         ev.stop_token_ids(tokenizer))
-    result = {"precision": recipe.precision, "seed": seed, "heldout_loss": round(tt.final_heldout_loss(run), 5),
-              "tau": round(report.tau, 3), "lossless": report.lossless, "train_seconds": round(train_s, 1)}
-    with open(done, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return result
-
-
-def fp8_gate(args: argparse.Namespace, command: str, target_dir: str, samples: list[dict[str, Any]],
-             data_path: str) -> int:
-    """Issue 32's FP8 quality gate through both services (`tt.Fp8Gate`): for each of --gate-seeds
-    seeds, bf16 (the compute dtype) and fp8-emulated with that seed, data and batches; each run's
-    final held-out loss (the trainer's eval of all --gate-heldout rows, fixed anchors) and tau; the
-    gate over the pairs, and the seed noise (the bf16 runs' spread). --gate-jobs trainings at a time."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
+def fp8_fidelity(args: argparse.Namespace, command: str, target_dir: str, samples: list[dict[str, Any]]) -> int:
+    """Issue 39's FP8 check (`tt.fp8_fidelity_along_training`): a drafter trained on the first
+    --fidelity-rows rows until its predictions are sharp; at the start, middle and end, every
+    parameter's gradient cosine of fp8-emulated to fp32 and to bf16, and the loss difference ->
+    bench/out/fp8_fidelity.json and a table. Exits 1 if a point misses the gate."""
     t0 = time.monotonic()
-    heldout_prompts = tt.heldout_samples(args.seed, args.eval_prompts + args.gate_heldout)
-    heldout, heldout_path = answered_data(args.cache_dir, target_dir, f"gate-heldout-n{args.gate_heldout}-s{args.seed}",
-                                          heldout_prompts[args.eval_prompts:])
-    prompts_file = os.path.join(args.out, "toy_tau_prompts.jsonl")
-    toy_corpus.write_jsonl(heldout_prompts[:args.eval_prompts], prompts_file)
     recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr,
                               max_anchors=args.anchors)
-    epochs, _ = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
-    steps = tt.planned_steps(target_dir, samples, recipe, epochs, args.seed)
-    heldout_batches = tt.planned_steps(target_dir, heldout, recipe, 1, args.seed)    # all of them
-    # The runs' folders are named after everything that shapes them: a rerun with other sizes
-    # never takes an older run's result.
-    shape = hashlib.sha256(json.dumps([os.path.basename(target_dir), os.path.basename(data_path),
-                                       os.path.basename(heldout_path), asdict(recipe), epochs, args.compute_dtype,
-                                       args.eval_prompts, args.max_new_tokens]).encode()).hexdigest()[:10]
-    seeds = list(range(args.seed, args.seed + args.gate_seeds))
-    names = [(f"{precision}-s{seed}", precision, seed) for seed in seeds for precision in ("bf16", "fp8-emulated")]
-    log(f"FP8 gate: {len(seeds)} paired seeds, {steps} steps a run ({epochs} epochs), {args.gate_jobs} at a time, "
-        f"runs under {args.cache_dir}/gate-{shape}-*")
-    runs: dict[str, dict[str, Any]] = {}
-    with ProcessPoolExecutor(args.gate_jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(gate_run, target_dir, data_path, heldout_path, prompts_file,
-                                     os.path.join(args.cache_dir, f"gate-{shape}-{name}"),
-                                     replace(recipe, precision=precision), epochs, steps, seed, heldout_batches,
-                                     args.compute_dtype, args.max_new_tokens)
-                   for name, precision, seed in names}
-        try:
-            for name, future in futures.items():
-                runs[name] = future.result()
-                log(f"{name}: {runs[name]}")
-        except BaseException:
-            for future in futures.values():   # one failed: the rest would fail alike
-                future.cancel()
-            raise
-    pairs = [(runs[f"bf16-s{s}"]["heldout_loss"], runs[f"fp8-emulated-s{s}"]["heldout_loss"],
-              runs[f"bf16-s{s}"]["tau"], runs[f"fp8-emulated-s{s}"]["tau"]) for s in seeds]
-    gate = tt.fp8_gate(pairs)
-    bf16_losses = [p[0] for p in pairs]
-    seed_noise = (statistics.stdev(bf16_losses) / statistics.fmean(bf16_losses)
-                  if len(bf16_losses) > 1 else float("nan"))
-    in_step = fp8_in_step(target_dir, os.path.join(args.cache_dir, f"gate-{shape}-bf16-s{args.seed}", "train", "export"),
-                          heldout, args.seed)
-    (loss, loss_lo, loss_hi), (tau, tau_lo, tau_hi) = gate.loss, gate.tau
-    result = {"date": datetime.date.today().isoformat(),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "command": command,
-              "args": vars(args), "toy_target": tt.read_report(target_dir), "drafter_recipe": asdict(recipe),
-              "epochs": epochs, "steps": steps, "runs": runs,
-              "seed_noise": round(seed_noise, 5),   # bf16's final loss across seeds: its relative sd
-              "in_step": in_step,
-              "gate": {"verdict": gate.verdict, "pairs": len(pairs), "confidence": tt.GATE_CONFIDENCE,
-                       "loss_rel": [round(x, 5) for x in gate.loss_rel],
-                       "loss_rel_mean_bounds": [round(x, 5) for x in (loss, loss_lo, loss_hi)],
-                       "tau_diff": [round(x, 3) for x in gate.tau_diff],
-                       "tau_diff_mean_bounds": [round(x, 4) for x in (tau, tau_lo, tau_hi)]},
+    points = tt.fp8_fidelity_along_training(target_dir, samples[:args.fidelity_rows], recipe, args.steps, args.seed)
+    print("\n| parameter | " + " | ".join(f"step {p.step} (acc {p.accuracy:.2f}): fp8/fp32, fp8/bf16, bf16/fp32"
+                                          for p in points) + " |")
+    print("| --- |" + " --- |" * len(points))
+    for name in points[0].cosine["fp8/fp32"]:
+        cells = [", ".join(f"{p.cosine[pair][name]:.4f}" for pair in ("fp8/fp32", "fp8/bf16", "bf16/fp32"))
+                 for p in points]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("| loss fp8 / fp32 - 1 | " + " | ".join(f"{p.loss_rel:+.3%}" for p in points) + " |")
+    for p in points:
+        log(str(p))
+    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+              "command": command, "args": vars(args), "drafter_recipe": asdict(recipe),
+              "gate": {"min_cosine": tt.FIDELITY_MIN_COSINE, "max_loss_rel": tt.FIDELITY_MAX_LOSS_REL},
+              "points": [{**asdict(p), "passed": p.passed, "loss_rel": p.loss_rel} for p in points],
               "seconds": round(time.monotonic() - t0, 1)}
-    result["toy_target"].pop("loss_curve", None)
-    with open(os.path.join(args.out, "fp8_gate.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(args.out, "fp8_fidelity.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    log(f"FP8 quality gate: {gate}; bf16's seed noise (relative sd of its final loss) {seed_noise:.2%}")
-    return 0 if all(r["lossless"] for r in runs.values()) else 1
-
-
-def fp8_in_step(target_dir: str, export_dir: str, rows: list[dict[str, Any]], seed: int) -> dict[str, dict[str, float]]:
-    """Where FP8 costs, without a training's noise: one loss and backward of a trained drafter on
-    the target's captured planes of `rows`, each variant against full precision (the compute
-    dtype): its loss's relative difference and its gradient's error (norm of the difference over
-    all weights over the reference's norm). Variants: bf16 autocast (the scale of a harmless
-    rounding), FP8 everywhere, and FP8 in one part only (fc, attention projections, MLP, the head's
-    logits, the head's input gradient), the rest exact."""
-    from types import SimpleNamespace
-
-    from common.batch import PackedBatch, document_positions
-    from common.config import default_gamma
-    from drafter_trainer import fp8
-    from drafter_trainer.blocks import build_blocks, sample_anchors
-    from drafter_trainer.export import load_drafter
-    from drafter_trainer.loss import dflash_loss
-    from drafter_trainer.model import Linear
-
-    drafter = load_drafter(export_dir, target_dir).train()
-    target = ev.TargetModel.load(target_dir, drafter.fc.weight.device, drafter.config.target_layer_ids)
-    planes, ids, mask, lens = [], [], [], []
-    with torch.no_grad():
-        for doc, doc_mask in tt.encode_chats(tt.load_tokenizer(target_dir), rows):
-            planes.append(target.forward(doc)[1].float())
-            ids += doc
-            mask += doc_mask
-            lens.append(len(doc))
-    doc_lens = torch.tensor(lens, dtype=torch.int32)
-    batch = PackedBatch(hidden=torch.cat(planes, 1), input_ids=torch.tensor(ids, dtype=torch.int32),
-                        loss_mask=torch.tensor(mask, dtype=torch.uint8),
-                        position_ids=document_positions(doc_lens).to(torch.int32), doc_lens=doc_lens,
-                        sample_ids=torch.arange(len(lens)), doc_ids=torch.arange(len(lens)))
-    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, 512, torch.Generator().manual_seed(seed))
-    blocks = build_blocks(batch, anchors, drafter.config.block_size, drafter.config.mask_token_id,
-                          default_gamma(drafter.config.block_size))
-    weight = drafter.lm_head.weight
-    exact, quantized = fp8.HeadMatmuls(weight, "bf16"), fp8.HeadMatmuls(weight, "fp8-emulated")
-    linears = {name: m for name, m in drafter.named_modules() if isinstance(m, Linear)}
-    parts = {"fc": lambda n: n == "fc", "attention": lambda n: ".self_attn." in n, "mlp": lambda n: ".mlp." in n}
-
-    def step(fp8_linears: Any, logits_fp8: bool, grad_fp8: bool, autocast: bool = False) -> tuple[float, torch.Tensor]:
-        for name, module in linears.items():
-            module.precision = "fp8-emulated" if fp8_linears(name) else "bf16"
-        head = SimpleNamespace(logits=(quantized if logits_fp8 else exact).logits, fp8=True, emulate=True,
-                               grad_input=(quantized if grad_fp8 else exact).grad_input)
-        drafter.head_matmuls = lambda: head
-        drafter.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = dflash_loss(drafter, batch, blocks, chunk=1024, backward=True)
-        return float(out.loss), torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None])
-
-    def none(_name: str) -> bool:
-        return False
-
-    ref_loss, ref_grad = step(none, False, False)
-    variants = {"bf16 autocast": (none, False, False, True), "fp8 everywhere": (lambda n: True, True, True, False),
-                **{f"fp8 {part} only": (match, False, False, False) for part, match in parts.items()},
-                "fp8 head logits only": (none, True, False, False), "fp8 head gradient only": (none, False, True, False)}
-    result = {}
-    for name, args in variants.items():
-        loss, grad = step(*args)
-        result[name] = {"loss_rel": round(loss / ref_loss - 1, 5),
-                        "grad_rel_err": round(float((grad - ref_grad).norm() / ref_grad.norm()), 4)}
-        log(f"in-step {name}: loss {result[name]['loss_rel']:+.3%}, gradient error {result[name]['grad_rel_err']:.4f}")
-    return result
+    return 0 if all(p.passed for p in points) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,14 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="drafter.max_anchors: anchors per document (512: the published recipe)")
     ap.add_argument("--target-steps", type=int, default=None,
                     help="toy target steps: a schedule of the step alone, reproducible (default: the time budget's)")
-    ap.add_argument("--gate", action="store_true",
-                    help="instead of the tau curve: the FP8 quality gate (fp8-emulated against bf16, paired "
-                         "by seed) -> bench/out/fp8_gate.json")
-    ap.add_argument("--gate-seeds", type=int, default=2, help="paired seeds the gate trains (two runs each)")
-    ap.add_argument("--gate-jobs", type=int, default=1, help="gate trainings at a time (each starts both services)")
-    ap.add_argument("--gate-heldout", type=int, default=64, help="held-out rows the gate's loss is measured on")
-    ap.add_argument("--compute-dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                    help="the target's dtype and the trainer's compute dtype (auto: fp32 on a CPU)")
+    ap.add_argument("--fidelity", action="store_true",
+                    help="instead of the tau curve: FP8's gradient fidelity along a training to sharp predictions "
+                         "(--steps: the most steps it may take) -> bench/out/fp8_fidelity.json")
+    ap.add_argument("--fidelity-rows", type=int, default=32, help="rows of the one batch the fidelity check trains on")
     args = ap.parse_args(argv)
     os.makedirs(args.cache_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
@@ -359,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     samples, data_path = answered_data(args.cache_dir, target_dir, f"drafter-data-n{args.train_samples}-s{args.seed}",
                                        [toy_corpus.sample(args.seed, i) for i in range(args.train_samples)])
     command = "python bench/toy_tau.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.gate:
-        return fp8_gate(args, command, target_dir, samples, data_path)
+    if args.fidelity:
+        return fp8_fidelity(args, command, target_dir, samples)
     t_data = time.monotonic()
 
     tokenizer = tt.load_tokenizer(target_dir)

@@ -43,15 +43,13 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _softmax_ce_rows(logits_ptr, stride, labels_ptr, weights_ptr, ce_ptr, argmax_ptr, grad_ptr, scale_ptr, V,
-                         NEED_GRAD: tl.constexpr, FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr,
-                         BLOCK: tl.constexpr):
+    def _softmax_ce_rows(logits_ptr, stride, labels_ptr, weights_ptr, ce_ptr, argmax_ptr, V,
+                         NEED_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         label = tl.load(labels_ptr + row)
         w = tl.load(weights_ptr + row).to(tl.float32)
         m = float("-inf")
-        m_other = float("-inf")          # the largest logit but the label's (FP8_GRAD: the gradient's amax)
         s = 0.0
         best = 0
         for start in range(0, V, BLOCK):
@@ -63,58 +61,29 @@ if triton is not None:
             s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
             best = tl.where(tile_max > m, start + tile_arg, best)   # strict: an earlier tile keeps a tie
             m = new_m
-            if FP8_GRAD:
-                m_other = tl.maximum(m_other, tl.max(tl.where(cols == label, float("-inf"), x), axis=0))
         lse = m + tl.log(s)
         target = tl.load(base + label).to(tl.float32)
         tl.store(ce_ptr + row, (lse - target) * w)
         tl.store(argmax_ptr + row, best)
         if NEED_GRAD:
-            inv = 1.0
-            if FP8_GRAD:
-                # The gradient's largest magnitude, known before it is written: w * (1 - p_label) at
-                # the label, w * p elsewhere, largest at the largest other logit. One scale per row.
-                amax = w * tl.maximum(1.0 - tl.exp(target - lse), tl.exp(m_other - lse))
-                scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-                tl.store(scale_ptr + row, scale)
-                inv = 1.0 / scale
-            if FP8_GRAD:
-                out = grad_ptr + row * V
-            else:
-                out = base
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 inside = cols < V
                 x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
                 grad = (tl.exp(x - lse) - (cols == label).to(tl.float32)) * w
-                if FP8_GRAD:
-                    grad = tl.minimum(tl.maximum(grad * inv, -FP8_MAX), FP8_MAX)
-                tl.store(out + cols, grad.to(out.dtype.element_ty), mask=inside)
+                tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=inside)
 
 
 def softmax_cross_entropy_kernel(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-                                 need_grad: bool, fp8_grad: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
+                                 need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """loss.softmax_cross_entropy on CUDA: (sum_r w_r * CE_r in fp32, [R] argmax == label, and with
-    need_grad the gradient written over `logits` and returned). With fp8_grad the gradient is
-    written instead as e4m3 with one fp32 scale per row (`fp8.quantize_rows`' contract: grad ~=
-    q * scale), into a new [R, V] e4m3 buffer, and (q, scale) returned: the fp8 head's gradient
-    matmul takes it as it is, and no second pass over the logits quantizes them."""
+    need_grad the gradient written over `logits` and returned)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("the logits' rows must be contiguous")
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     argmax = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    fp8_grad = fp8_grad and need_grad
-    grad, scale = logits, ce              # placeholders the kernel does not touch without FP8_GRAD
-    if fp8_grad:
-        grad = torch.empty(rows, vocab, dtype=torch.float8_e4m3fn, device=logits.device)
-        scale = torch.empty(rows, 1, dtype=torch.float32, device=logits.device)
     if rows:
         _softmax_ce_rows[(rows,)](logits, logits.stride(0), labels.contiguous(), row_weights.contiguous(), ce, argmax,
-                                  grad, scale, vocab, NEED_GRAD=need_grad, FP8_GRAD=fp8_grad,
-                                  FP8_MAX=float(torch.finfo(torch.float8_e4m3fn).max), BLOCK=BLOCK,
-                                  num_warps=NUM_WARPS)
-    if not need_grad:
-        return ce.sum(), argmax == labels, None
-    return ce.sum(), argmax == labels, (grad, scale) if fp8_grad else logits
+                                  vocab, NEED_GRAD=need_grad, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return ce.sum(), argmax == labels, logits if need_grad else None

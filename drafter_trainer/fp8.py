@@ -25,12 +25,15 @@ Three ways to run a scaled matmul:
   multiples of 16; the token dimension is padded with zero rows where it is contracted (grad W).
 - "fp8-emulated": the same quantization (the same e4m3 values and scales), then the product of the
   dequantized operands in fp32, rounded to the compute dtype. Any device; it checks the effect of
-  FP8 rounding on training (the CPU tests' quality gate), not its speed.
+  FP8 rounding on training (the CPU's fidelity check, dfpipe.toy_target), not its speed.
 - anything else: the plain matmul in the compute dtype (the bf16 path).
 
-The frozen target head (`HeadMatmuls`) uses the same operands: its weight is quantized once, both
-ways, when the head is installed, and the loss head's gradient over the logits is quantized row by
-row.
+The frozen target head's two matmuls in the loss (the logits h W^T and the input gradient g W) stay
+in the compute dtype in every precision (`loss._ChunkedLinearCrossEntropy`). In e4m3 they lost the
+gradient once a drafter's predictions sharpen: g = softmax - onehot shrinks to a few entries, g W
+becomes a difference of nearly equal rows of W, and e4m3's 3 mantissa bits of W then decide its
+direction; e4m3 logits raise the loss of a sharp drafter by more than 0.5% (docs/benchmarks.md,
+"FP8 gradient fidelity along training"; finer scales did not help: the loss is in the mantissa).
 """
 from __future__ import annotations
 
@@ -168,48 +171,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, precision: str) -> torch.Tenso
         y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, emulate, _out_dtype(x, emulate))
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
-
-
-class HeadMatmuls:
-    """The loss head's two matmuls against the frozen target head W [V, H]: the logits h W^T and
-    the input gradient g W (no gradient for W is ever formed).
-
-    In fp8 W is quantized once per head (both ways: per vocabulary row for the logits, per hidden
-    feature for the gradient), 2 bytes per entry in all, the size of the bf16 head; the rows of h
-    and of the gradient over the logits are quantized per call.
-    """
-
-    def __init__(self, weight: torch.Tensor, precision: str) -> None:
-        self.weight = weight
-        self.fp8 = precision in ("fp8", "fp8-emulated")
-        self.emulate = precision == "fp8-emulated"
-        if self.fp8:
-            self.w_rows = quantize_rows(weight)        # [V, H] per vocabulary row
-            self.w_cols = quantize_cols(weight)        # [H, V] per hidden feature
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, V] logits of hidden [R, H], in the head's dtype (bf16 for fp8)."""
-        if not self.fp8:
-            return hidden.to(self.weight.dtype) @ self.weight.t()
-        return scaled_mm(*quantize_rows(hidden), *self.w_rows, self._dtype(), self.emulate)
-
-    def grad_input(self, grad_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[R, H] = grad_logits [R, V] @ W; grad_logits may come quantized already, as (e4m3 rows,
-        their scales) from the loss head's kernel (`ce_kernel`, fp8_grad)."""
-        if not self.fp8:
-            return grad_logits @ self.weight
-        rows = grad_logits if isinstance(grad_logits, tuple) else quantize_rows(grad_logits)
-        return scaled_mm(*rows, *self.w_cols, self._dtype(), self.emulate)
-
-    def _dtype(self) -> torch.dtype:
-        return self.weight.dtype if self.emulate else torch.bfloat16
-
-
-def head_matmuls_of(weight: torch.Tensor, precision: str, cache: dict) -> HeadMatmuls:
-    """The HeadMatmuls of `weight`, made once and kept in `cache` while the same tensor is the head."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, precision)
-    if cache.get("key") != key:
-        cache.clear()
-        cache.update(key=key, head=HeadMatmuls(weight, precision))
-    return cache["head"]
-

@@ -5,7 +5,7 @@ of the drafter, so they never exist at once. Only rows with a positive weight re
 (the anchor column and positions past a document end or outside the loss mask are dropped
 first), and those go through `_ChunkedLinearCrossEntropy` `chunk` rows at a time:
 
-    forward, per chunk:  logits = h_c @ W^T (the head's dtype, or scaled e4m3 in fp8: `fp8.HeadMatmuls`)
+    forward, per chunk:  logits = h_c @ W^T (the head's dtype, in every drafter.precision: see fp8.py)
                          -> `softmax_cross_entropy`:
                          weighted CE sum, argmax hits and, when a gradient is needed,
                          dCE/dlogits = w * (softmax - onehot); then dCE/dh_c = that @ W
@@ -23,7 +23,6 @@ matmuls stay outside, in cuBLAS.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,6 @@ import torch
 from common.batch import PackedBatch
 from drafter_trainer import ce_kernel
 from drafter_trainer.blocks import BlockBatch, chunk_bounds
-from drafter_trainer.fp8 import HeadMatmuls
 from drafter_trainer.model import ContextError, DFlashDraftModel
 from drafter_trainer.target_head import TargetHeadError
 
@@ -91,14 +89,11 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weight
     return ce_sum, correct, logits
 
 
-def cross_entropy_fn(device: torch.device, fp8_grad: bool = False):
+def cross_entropy_fn(device: torch.device):
     """The loss head's elementwise half for logits on `device`: the Triton kernel on CUDA
-    (`ce_kernel`), else `softmax_cross_entropy`. fp8_grad (the fp8 head on CUDA): the kernel
-    writes the gradient over the logits as e4m3 rows with their scales, what the head's gradient
-    matmul reads (`fp8.HeadMatmuls.grad_input`)."""
+    (`ce_kernel`), else `softmax_cross_entropy`."""
     if device.type == "cuda" and ce_kernel.available():
-        kernel = ce_kernel.softmax_cross_entropy_kernel
-        return functools.partial(kernel, fp8_grad=True) if fp8_grad else kernel
+        return ce_kernel.softmax_cross_entropy_kernel
     return softmax_cross_entropy
 
 
@@ -106,11 +101,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_r w_r * CE(h_r @ W^T, y_r), chunk rows at a time; also returns per-row argmax hits."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head: HeadMatmuls, labels: torch.Tensor,
+    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
                 row_weights: torch.Tensor, chunk: int, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # Autograd runs forward in no-grad mode, so the caller says whether a backward will come.
         need_grad = with_grad and ctx.needs_input_grad[0]
-        cross_entropy = cross_entropy_fn(hidden.device, fp8_grad=head.fp8 and not head.emulate)
+        cross_entropy = cross_entropy_fn(hidden.device)
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
@@ -120,12 +115,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 end = min(n, start + chunk)
                 rows = slice(start, end)
                 start = end
-                logits = head.logits(hidden[rows])
+                logits = hidden[rows].to(head.dtype) @ head.t()
                 chunk_ce, correct[rows], grad_logits = cross_entropy(logits, labels[rows], row_weights[rows],
                                                                      need_grad)
                 ce_sum += chunk_ce
                 if need_grad:
-                    grad_hidden[rows] = head.grad_input(grad_logits).to(hidden.dtype)
+                    grad_hidden[rows] = (grad_logits @ head).to(hidden.dtype)
                 del logits, grad_logits     # before the next chunk's matmul allocates its own
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -265,7 +260,7 @@ def _chunk_ce(model: DFlashDraftModel, part: BlockBatch, kv: list[tuple[torch.Te
     # With no rows at all the (empty) selection still links every parameter into the graph, so
     # backward gives them zero gradients and DDP's reduction stays in step across ranks.
     return _ChunkedLinearCrossEntropy.apply(
-        hidden[rows], model.head_matmuls(), part.labels.reshape(-1)[rows], part.weights.reshape(-1)[rows],
+        hidden[rows], model.lm_head.weight, part.labels.reshape(-1)[rows], part.weights.reshape(-1)[rows],
         chunk, torch.is_grad_enabled() and hidden.requires_grad)
 
 

@@ -32,7 +32,7 @@ from common.config import DrafterConfig, default_layer_ids
 from drafter_trainer.block_flash import (block_flash_attention, fold_queries, group_major, plan_of_blocks,
                                          unfold_queries)
 from drafter_trainer.blocks import AttentionLayout, BlockBatch
-from drafter_trainer.fp8 import HeadMatmuls, head_matmuls_of, linear
+from drafter_trainer.fp8 import linear
 from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -476,7 +476,6 @@ class DFlashDraftModel(nn.Module):
         self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
         self.segment_rows = 0               # split path: query rows scored per segment; 0: SEGMENT_ROWS by device
         self.compiled = False               # set by compile_for
-        self._head_cache: dict = {}         # head_matmuls: the quantized lm_head, made once
         h = config.hidden_size
         self.fc = Linear(config.num_context_layers * h, h)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
@@ -708,13 +707,6 @@ class DFlashDraftModel(nn.Module):
             else:
                 hidden_states = layer(*args)
         return self.norm(hidden_states)
-
-    def head_matmuls(self) -> HeadMatmuls:
-        """The loss head's matmuls against the frozen lm_head in this model's precision (in fp8 the
-        head is quantized once, and again only when another head is installed)."""
-        if not self.lm_head.loaded:
-            raise TargetHeadError("the target's lm_head is not loaded (load_target_head / set_target_head)")
-        return head_matmuls_of(self.lm_head.weight, self.precision, self._head_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits through the frozen lm_head (decode/eval; training uses the chunked loss)."""

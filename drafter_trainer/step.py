@@ -103,7 +103,7 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
 class StepSettings:
     """The step's knobs (drafter.loss_chunk, drafter.blocks_per_chunk, train.grad_clip) and its
     autocast dtype (bf16 on CUDA unless train.compute_dtype says fp32; elsewhere fp32 unless it
-    says bf16, as the CPU's FP8 quality gate runs to compare with the GPU's bf16)."""
+    says bf16, to run the GPU's dtypes on a CPU)."""
 
     loss_chunk: int = 1024
     blocks_per_chunk: int = 0

@@ -115,7 +115,7 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
         weights = torch.rand(WARMUP_LOSS_ROWS, device=device, generator=gen)
         with torch.no_grad():      # as in the loss, whose autograd.Function runs its forward so
             for need_grad in (True, False):
-                cross_entropy_fn(device, fp8_grad=model.precision == "fp8")(logits.clone(), labels, weights, need_grad)
+                cross_entropy_fn(device)(logits.clone(), labels, weights, need_grad)
 
 
 # ---- compiling behind the first steps ------------------------------------------------------------

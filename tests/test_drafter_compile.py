@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from common.config import ConfigError, load_config
 from drafter_trainer.blocks import build_blocks
-from drafter_trainer.fp8 import HeadMatmuls
 from drafter_trainer.loss import _ChunkedLinearCrossEntropy, cross_entropy_fn, dflash_loss, softmax_cross_entropy
 from drafter_trainer.model import DrafterConfigError
 from test_drafter_model import MASK, autocast_rtol, drafter_terms, make_batch, make_model, tiny_config
@@ -103,7 +102,7 @@ def test_chunked_head_loss_and_hidden_gradient_equal_full_logits_cross_entropy()
 
     want = (F.cross_entropy(hidden @ head.t(), labels, reduction="none") * weights).sum()
     (want_grad,) = torch.autograd.grad(want, hidden)
-    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, HeadMatmuls(head, "bf16"), labels, weights, 4, True)
+    ce_sum, correct = _ChunkedLinearCrossEntropy.apply(hidden, head, labels, weights, 4, True)
     (got_grad,) = torch.autograd.grad(ce_sum * 2.0, hidden)
     # the logits sum hidden_size terms, the loss a softmax over the vocabulary per row, then the rows;
     # the hidden gradient sums (p - onehot) * W over the vocabulary after the same forward

@@ -118,18 +118,23 @@ def _tiny_drafter(precision: str, layers: int = 2) -> DFlashDraftModel:
     return make_model(tiny_config(num_hidden_layers=layers), std=0.05, precision=precision)
 
 
-def test_the_loss_head_runs_its_two_matmuls_in_fp8() -> None:
+def test_the_loss_head_stays_in_the_compute_dtype_under_fp8() -> None:
+    """The frozen head's two matmuls (logits, input gradient) are not FP8's: in e4m3 they lost the
+    gradient of a drafter with sharp predictions (fp8.py). Given the same hidden states, the FP8
+    drafter's loss and input gradient are the exact ones, to fp32's rounding."""
+    from drafter_trainer.loss import _ChunkedLinearCrossEntropy
+
     model = _tiny_drafter("fp8-emulated")
-    head = model.head_matmuls()
-    assert head is model.head_matmuls()          # the head is quantized once
     torch.manual_seed(4)
-    h, g = torch.randn(10, model.config.hidden_size), torch.randn(10, model.config.vocab_size)
+    h = torch.randn(10, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, model.config.vocab_size, (10,))
     w = model.lm_head.weight
-    assert_close(head.logits(h), dequantized(*fp8.quantize_rows(h)) @ dequantized(*fp8.quantize_rows(w)).t(), n=model.config.hidden_size)
-    assert_close(head.grad_input(g), dequantized(*fp8.quantize_rows(g)) @ dequantized(*fp8.quantize_rows(w.t())).t(),
-                 n=model.config.vocab_size)
-    model.set_target_head(torch.randn_like(w))
-    assert model.head_matmuls() is not head      # a new head is quantized anew
+    ce, _ = _ChunkedLinearCrossEntropy.apply(h, w, labels, torch.ones(10), 4, True)
+    (grad,) = torch.autograd.grad(ce, h)
+    want = torch.nn.functional.cross_entropy(h @ w.t(), labels, reduction="sum")
+    (want_grad,) = torch.autograd.grad(want, h)
+    assert_close(ce, want, n=model.config.hidden_size + model.config.vocab_size)
+    assert_close(grad, want_grad, n=2 * model.config.hidden_size + model.config.vocab_size)
 
 
 def test_every_linear_of_the_drafter_follows_its_precision_and_checkpoints_do_not_change() -> None:
@@ -170,9 +175,9 @@ def test_a_drafter_step_in_fp8_follows_the_full_precision_gradient() -> None:
         assert math.isfinite(float(out.loss))
         grads[precision] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     layers = model.config.num_hidden_layers
-    # per layer 4 matmuls in sequence forward (qkv, o, gate/up, down) and 4 backward; fc, the
-    # head's two, and the weight-gradient matmul itself
-    floor = fp8_cosine_floor(8 * layers + 4)
+    # per layer 4 matmuls in sequence forward (qkv, o, gate/up, down) and 4 backward; fc and the
+    # weight-gradient matmul itself (the loss head is not FP8's)
+    floor = fp8_cosine_floor(8 * layers + 2)
     worst = 1.0
     for name, g in grads["bf16"].items():
         g8 = grads["fp8-emulated"][name]
@@ -205,33 +210,6 @@ def test_scaled_mm_on_the_gpu_equals_the_emulation() -> None:
         bound = C * FP8_MMA_ACCUMULATOR_EPS * math.sqrt(n_terms)
         scale = float(want.abs().max())
         torch.testing.assert_close(got, want, rtol=bound + eps(torch.bfloat16), atol=bound * scale)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_loss_head_kernel_writes_the_gradient_as_scaled_e4m3_rows() -> None:
-    """fp8 head on CUDA: the kernel writes dCE/dlogits as e4m3 with one scale per row (known after
-    its first pass: the label's or the largest other logit's term), what quantize_rows would make
-    of the gradient: each value within e4m3's rounding of it."""
-    from drafter_trainer.loss import cross_entropy_fn
-    from test_drafter_compile import chunk_case, per_chunk_reference
-
-    kernel = cross_entropy_fn(torch.device("cuda"), fp8_grad=True)
-    for rows, vocab in ((37, 300), (64, 248_320)):
-        logits, labels, weights = (t.cuda() for t in chunk_case(rows, vocab=vocab, dtype=torch.bfloat16, seed=rows))
-        weights[2] = 0.0                                           # a row without loss: zeros, scale 1
-        _, _, want = per_chunk_reference(logits, labels, weights, True)
-        ce, correct, (q, scale) = kernel(logits.clone(), labels, weights, True)
-        assert q.dtype == fp8.E4M3 and scale.shape == (rows, 1)
-        assert torch.equal(q[2].float(), torch.zeros(vocab, device="cuda")) and float(scale[2]) == 1.0
-        want = want.float()
-        row_max = want.abs().amax(1, keepdim=True)
-        # e4m3 rounding of each value, half a subnormal step of its row, and the kernel's fp32
-        # gradient against the reference's (a few ulps of the row's largest value)
-        bound = E4M3_U * want.abs() + E4M3_SUBNORMAL_HALF_STEP * scale + 4 * eps(torch.float32) * row_max
-        assert bool(((q.float() * scale - want).abs() <= bound).all())
-        live = weights > 0
-        assert bool((q[live].float().abs().amax(1) > fp8.E4M3_MAX / 2).all())   # rows fill the format
 
 
 @pytest.mark.usefixtures("cxx_compiler")
@@ -307,7 +285,7 @@ def test_held_out_eval_runs_the_drafter_as_served_and_training_resumes_in_fp8() 
 
 
 def test_compute_dtype_bf16_runs_the_cpu_step_in_bf16_as_the_gpu_does() -> None:
-    """The CPU's FP8 quality gate can compare FP8 with the GPU's compute dtype: train.compute_dtype
+    """A CPU run can use the GPU's compute dtype: train.compute_dtype
     bf16 is honoured on a CPU (auto stays fp32 there, bf16 on CUDA unless fp32 is asked for)."""
     from common.config import Config
     from drafter_trainer.step import StepSettings

@@ -1,13 +1,13 @@
-"""A drafter trained through both services on a (briefly) trained toy target accepts clearly more
-than an untrained one, and speculative decoding stays lossless: the CI-sized version of
-bench/toy_tau.py, through the path users run (target server -> ring -> trainer -> export). The FP8
-drafter trains too, and the FP8 quality gate is computed on it and printed; at this size the gate
-is noise-bound (two full-precision seeds differ by several percent, docs/benchmarks.md), so the
-decision whether FP8 may be the default comes from `bench/toy_tau.py --gate`, not from here."""
+"""The toy target's drafter, CI-sized: trained through both services it accepts clearly more than an
+untrained one and speculative decoding stays lossless (the CI version of bench/toy_tau.py, through
+the path users run: target server -> ring -> trainer -> export); and FP8's gradient fidelity along
+a training that makes the drafter's predictions sharp (`dfpipe.toy_target.fp8_fidelity_along_training`,
+the gate of issue 39: every parameter's gradient at cosine >= 0.99 to fp32's and bf16's, the loss
+within 0.5%, at the start, middle and end). The fidelity check replaced paired FP8/bf16 trainings,
+whose final losses differed by seed noise more than by FP8 (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -20,35 +20,33 @@ from target_server import toy_corpus
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_lossless(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> tuple[str, list[dict]]:
+    """A briefly trained toy target and its own answers to 96 corpus prompts (the drafter's data)."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    target_dir = str(tmp_path / "toy-target")
+    target_dir = str(tmp_path_factory.mktemp("toy") / "toy-target")
     # one held-out prompt decoded at the end, 16 tokens of it, instead of 48 of 160 (4 of 160 cost ~6 s):
     # the target's own report is not under test, and the check runs after its weights are final
     tt.make_toy_target(target_dir, minutes=5.0, seed=0, steps=120,
                        recipe=tt.ToyRecipe(heldout_samples=1, heldout_max_new_tokens=16), device=cpu)
     train = tt.regenerate_answers(target_dir, [toy_corpus.sample(1, i) for i in range(96)],
                                   max_new_tokens=96, device=cpu)
+    return target_dir, train
+
+
+def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_lossless(toy, tmp_path) -> None:
+    target_dir, train = toy
+    cpu = torch.device("cpu")
     data = tmp_path / "train.jsonl"
     toy_corpus.write_jsonl(train, str(data))
-    # held-out rows the trainer evaluates on (fixed anchors): the loss the FP8 gate compares
-    heldout = tt.regenerate_answers(target_dir, [toy_corpus.sample(1, 96 + i) for i in range(16)],
-                                    max_new_tokens=96, device=cpu)
-    heldout_data = tmp_path / "heldout-train.jsonl"
-    toy_corpus.write_jsonl(heldout, str(heldout_data))
     # 32 anchors a document instead of every answer position: overlapping blocks teach little more
     # and cost the trainer's step in proportion
     recipe = tt.DrafterRecipe(num_layers=1, block_size=8, token_budget=2048, max_anchors=32, lr=3e-3,
                               precision="bf16")
-    runs = {"trained": tmp_path / "run", "fp8": tmp_path / "run-fp8"}
-    epochs = 16          # 80 steps: measured tau 2.59 (FP8 2.50) against 1.0 untrained
-    steps = tt.planned_steps(target_dir, train, recipe, epochs)
-    for name, precision in (("trained", "bf16"), ("fp8", "fp8-emulated")):
-        # the same seed, data and batches; one held-out eval, at the last step (the loss the gate reads)
-        tt.train_drafter_through_services(target_dir, str(data), str(runs[name]), replace(recipe, precision=precision),
-                                          epochs=epochs, heldout_path=str(heldout_data), eval_every=steps)
-    assert os.path.isfile(os.path.join(runs["trained"], "train", "export", "model.safetensors"))
+    run = tmp_path / "run"
+    tt.train_drafter_through_services(target_dir, str(data), str(run), recipe, epochs=16)   # 80 steps
+    assert os.path.isfile(os.path.join(run, "train", "export", "model.safetensors"))
     export_drafter(tt.untrained_drafter(target_dir, recipe), str(tmp_path / "untrained"))
 
     prompts_file = tmp_path / "heldout.jsonl"
@@ -59,18 +57,26 @@ def test_drafter_trained_through_the_services_beats_an_untrained_one_and_stays_l
     stop = ev.stop_token_ids(tokenizer)
     taus = {}
     refs: dict = {}
-    exports = {"untrained": str(tmp_path / "untrained"), **{n: str(r / "train" / "export") for n, r in runs.items()}}
-    for name, path in exports.items():
+    for name, path in (("untrained", str(tmp_path / "untrained")), ("trained", str(run / "train" / "export"))):
         target, drafter = ev.load_models(target_dir, path, cpu)
         report = ev.evaluate(target, drafter, prompts, 48, stop, references=refs)
         assert report.lossless, report.mismatches
         taus[name] = report.tau
-    losses = {name: tt.final_heldout_loss(str(r)) for name, r in runs.items()}
-    print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f} fp8 {taus['fp8']:.3f}; "
-          f"final held-out loss {losses['trained']:.4f} fp8 {losses['fp8']:.4f}")
+    print(f"tau untrained {taus['untrained']:.3f} trained {taus['trained']:.3f}")
     assert taus["untrained"] < 1.3, taus
-    assert taus["trained"] >= taus["untrained"] + 1.0, taus
-    # FP8 trains: the drafter accepts clearly more than an untrained one, and stays lossless
-    assert taus["fp8"] >= taus["untrained"] + 1.0, taus
-    gate = tt.fp8_gate([(losses["trained"], losses["fp8"], taus["trained"], taus["fp8"])])
-    print(f"FP8 quality gate at CI size (noise-bound, informative only): {gate}")
+    assert taus["trained"] >= taus["untrained"] + 1.0, taus   # measured 2.59 against 1.0
+
+
+def test_fp8_keeps_the_gradient_of_a_drafter_along_its_training_to_sharp_predictions(toy) -> None:
+    target_dir, train = toy
+    # 32 rows, 32 anchors each, one batch: ~2,600 tokens, sharp (accuracy 0.85) after ~120 steps
+    recipe = tt.DrafterRecipe(num_layers=1, block_size=8, max_anchors=32, lr=3e-3)
+    points = tt.fp8_fidelity_along_training(target_dir, train[:32], recipe, max_steps=300)
+    for point in points:
+        print(point)
+    assert [p.step for p in points] == sorted({p.step for p in points}) and len(points) == 3
+    # the end is sharp (its own accuracy may be a little under the goal the step before reached)
+    assert points[0].accuracy < 0.1 and points[-1].accuracy >= tt.FIDELITY_ACCURACIES[-1] - 0.05
+    # the check can tell: bf16's own gradient is not rounding noise at any point
+    assert all(min(p.cosine["bf16/fp32"].values()) >= 0.999 for p in points), [str(p) for p in points]
+    assert all(p.passed for p in points), [str(p) for p in points]

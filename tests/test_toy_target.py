@@ -148,28 +148,18 @@ def test_regenerated_answers_are_the_targets_own_greedy_answers(tmp_path: Any) -
             [t for t in greedy if t not in ev.stop_token_ids(tokenizer)])
 
 
-@pytest.mark.parametrize("df, textbook", [(1, 6.314), (2, 2.920), (5, 2.015), (9, 1.833), (29, 1.699)])
-def test_the_gates_t_quantile_matches_the_published_table(df: int, textbook: float) -> None:
-    # the table gives three decimals: half a unit of the last one
-    assert abs(tt.student_t_quantile(0.95, df) - textbook) <= 5e-4
+def _fidelity(fp8_fp32: float, fp8_bf16: float, loss_fp8: float) -> tt.GradientFidelity:
+    return tt.GradientFidelity(step=7, accuracy=0.9, loss={"fp32": 1.0, "bf16": 1.0, "fp8": loss_fp8},
+                               cosine={"fp8/fp32": {"fc.weight": 0.999, "norm.weight": fp8_fp32},
+                                       "fp8/bf16": {"fc.weight": fp8_bf16, "norm.weight": 0.999},
+                                       "bf16/fp32": {"fc.weight": 1.0, "norm.weight": 1.0}})
 
 
-def _pairs(loss_rels: list[float], tau_diffs: list[float]) -> list[tuple[float, float, float, float]]:
-    return [(1.3, 1.3 * (1 + rel), 4.0, 4.0 + diff) for rel, diff in zip(loss_rels, tau_diffs)]
-
-
-def test_the_fp8_gate_decides_on_the_paired_mean_and_its_bound_not_on_one_pair() -> None:
-    steady = tt.fp8_gate(_pairs([0.002, -0.001, 0.004, 0.0, 0.001, -0.002], [0.02, -0.03, 0.0, 0.01, 0.0, -0.01]))
-    assert steady.verdict == "pass", steady
-    mean, _, upper = steady.loss
-    assert abs(mean - 0.004 / 6) < 1e-12 and mean < upper < tt.GATE_LOSS_REL
-    worse = tt.fp8_gate(_pairs([0.05, 0.045, 0.055, 0.05], [0.0] * 4))
-    assert worse.verdict == "miss" and worse.loss[1] > tt.GATE_LOSS_REL, worse
-    # FP8 ending lower is no quality loss: the gate is one-sided
-    assert tt.fp8_gate(_pairs([-0.05, -0.045, -0.055, -0.05], [0.0] * 4)).verdict == "pass"
-    noisy = tt.fp8_gate(_pairs([0.03, -0.04, 0.02, -0.01], [0.0] * 4))
-    assert noisy.verdict == "undecided" and noisy.loss[1] < tt.GATE_LOSS_REL < noisy.loss[2], noisy
-    one = tt.fp8_gate(_pairs([0.0], [0.0]))
-    assert one.verdict == "undecided", "one pair says nothing about the noise"
-    assert tt.fp8_gate(_pairs([0.0] * 4, [-0.3, -0.35, -0.3, -0.32])).verdict == "miss", "tau matters too"
-    assert "undecided over 4 paired seed(s)" in str(noisy)
+def test_fp8_fidelity_passes_only_with_every_parameter_against_both_references_and_the_loss_close() -> None:
+    assert _fidelity(0.995, 0.995, 1.004).passed
+    assert _fidelity(0.99, 0.99, 0.996).passed                                # the cosine limit itself passes
+    worst = _fidelity(0.98, 0.995, 1.0)
+    assert not worst.passed and worst.min_cosine == ("norm.weight", 0.98)
+    assert not _fidelity(0.995, 0.985, 1.0).passed, "bf16 is a reference too"
+    assert not _fidelity(0.995, 0.995, 1.006).passed and not _fidelity(0.995, 0.995, 0.994).passed
+    assert "FAIL, least gradient cosine 0.9800 (norm.weight" in str(worst)
