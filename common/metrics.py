@@ -6,6 +6,7 @@ the Prometheus endpoint flattens that same dict, so the two views can never disa
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -105,6 +106,31 @@ def human_duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+LOG_LINE_EVERY_S = 30.0   # a progress line this often when stderr is not a terminal
+
+
+class ProgressLines:
+    """Progress for a log: `dfpipe regenerate: 1,200/5,000 rows (24.0%), 3m10s left` on stderr every
+    LOG_LINE_EVERY_S, the time left from the rate of the last RATE_WINDOW_S (tqdm's bar redraws one
+    line in place, which a log file cannot show)."""
+
+    def __init__(self, what: str, unit: str, total: int, done: int = 0) -> None:
+        self.what, self.unit, self.total, self.done = what, unit, total, done
+        self.rate = TokenRate()          # of `unit`s, not tokens: the same windowed count
+        self.last = time.monotonic()
+        self.rate.mark(self.last, done)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        self.rate.mark(now, self.done)
+        if now - self.last >= LOG_LINE_EVERY_S:
+            self.last = now
+            left = time_left_s(self.done, self.total, self.rate.exact_per_s(now))
+            print(f"{self.what}: {self.done:,}/{self.total:,} {self.unit} ({self.done / max(1, self.total):.1%})"
+                  + ("" if left is None else f", {human_duration(left)} left"), file=sys.stderr, flush=True)
 
 
 def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:

@@ -28,11 +28,10 @@ import json
 import os
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from common.metrics import TokenRate, human_duration, time_left_s
+from common.metrics import ProgressLines
 
 if TYPE_CHECKING:
     import httpx2
@@ -395,30 +394,6 @@ async def run(input_path: str, out: str, s: Settings, concurrency: int = 8, retr
                                max_consecutive_failures, progress)
 
 
-LOG_LINE_EVERY_S = 30.0   # a progress line this often when stderr is not a terminal
-
-
-class RowLines:
-    """Progress for a log: `dfpipe regenerate: 1,200/5,000 rows (24.0%), 3m10s left` on stderr every
-    LOG_LINE_EVERY_S (tqdm's bar redraws one line in place, which a log file cannot show)."""
-
-    def __init__(self, total: int, done: int) -> None:
-        self.total, self.done = total, done
-        self.rate = TokenRate()          # of rows: the time left from the last RATE_WINDOW_S
-        self.last = time.monotonic()
-        self.rate.mark(self.last, done)
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        self.rate.mark(now, self.done)
-        if now - self.last >= LOG_LINE_EVERY_S:
-            self.last = now
-            left = time_left_s(self.done, self.total, self.rate.exact_per_s(now))
-            print(f"dfpipe regenerate: {self.done:,}/{self.total:,} rows ({self.done / max(1, self.total):.1%})"
-                  + ("" if left is None else f", {human_duration(left)} left"), file=sys.stderr, flush=True)
-
-
 async def _run_rows(client: httpx2.AsyncClient, s: Settings, input_path: str, out: str, skip: set[int],
                     total: int, concurrency: int, max_consecutive_failures: int,
                     progress: bool | None) -> Summary:
@@ -430,7 +405,7 @@ async def _run_rows(client: httpx2.AsyncClient, s: Settings, input_path: str, ou
     bar = tqdm(total=total, initial=summary.skipped, unit="row", desc="regenerate", dynamic_ncols=True,
                disable=None if progress is None else not progress)
     # no bar (a log file, a pipe) and not told to be quiet: a plain line now and then, with the time left
-    lines = RowLines(total, summary.skipped) if bar.disable and progress is None else None
+    lines = ProgressLines("dfpipe regenerate", "rows", total, summary.skipped) if bar.disable and progress is None else None
     pending: set[asyncio.Task] = set()
     consecutive_failures = 0
     rows = (r for r in input_rows(input_path) if r[0] not in skip)

@@ -457,3 +457,21 @@ def test_ensure_prepared_prepares_a_chat_file_once_then_reuses_it(tmp_path, monk
     # A prepared folder is opened as it is.
     cfg.data.train_path = first.path
     assert ensure_prepared(cfg).path == first.path
+
+
+def test_prepare_data_in_a_log_says_how_far_it_is_and_the_time_left(tmp_path, monkeypatch, capsys):
+    from common import metrics
+    from target_server.data import source_row_count
+
+    rows = [json.dumps(_chat(("user", f"Count to {i}."), ("assistant", f"{i}."))) for i in range(6)]
+    src = _write_lines(tmp_path / "c.jsonl", rows)
+    assert source_row_count(src) == 6
+    (tmp_path / "no_newline.jsonl").write_text("\n".join(rows))   # a last line without its newline counts
+    assert source_row_count(str(tmp_path / "no_newline.jsonl")) == 6
+    clock = iter(float(t) for t in range(0, 10_000, 20))   # a row every 20 s (a slow tokenizer)
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    prepare_data(src, DEMO_TOKENIZER, str(tmp_path / "p"), max_len=256)   # stderr is no terminal here
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare-data:")]
+    # a line per 30 s: rows 2, 4 and 6 of 6, the time left at one row per 20 s
+    assert said == ["prepare-data: 2/6 rows (33.3%), 1m20s left", "prepare-data: 4/6 rows (66.7%), 40s left",
+                    "prepare-data: 6/6 rows (100.0%), 0s left"], said

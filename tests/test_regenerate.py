@@ -355,11 +355,11 @@ def test_overload_statuses_are_retried_until_answered_and_a_bad_request_is_not(s
 
 
 def test_without_a_terminal_progress_is_a_plain_line_now_and_then_with_the_time_left(monkeypatch, capsys):
-    from dfpipe import regenerate
+    from common import metrics
 
     clock = iter(float(t) for t in range(0, 1000, 10))      # a row every 10 s
-    monkeypatch.setattr(regenerate.time, "monotonic", lambda: next(clock))
-    lines = regenerate.RowLines(total=100, done=20)           # 20 rows done by an earlier run
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    lines = metrics.ProgressLines("dfpipe regenerate", "rows", total=100, done=20)   # 20 rows done by an earlier run
     for _ in range(6):
         lines.update(1)
     said = capsys.readouterr().err.splitlines()
