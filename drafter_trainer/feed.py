@@ -148,7 +148,9 @@ class RingFeed:
             return f"not saying HELLO: {self.error}"
         if not ProducerRing.role_held(r.shm_dir, r.name, 0):
             return (f"no target server is running for ring {r.name!r} (none was started, or it exited: its "
-                    f"console says why); start one with `dfpipe target-server -c CONFIG`")
+                    f"console says why); start one with `dfpipe target-server -c CONFIG`, with the same "
+                    f"train.out_dir as this trainer's where the ring and endpoints are not set (the defaults "
+                    f"derive from it)")
         return f"it answered: {self.error}" if self.error else "no answer yet"
 
     def get(self, timeout: float) -> PackedBatch | EpochEndMarker | None:
