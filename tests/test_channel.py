@@ -443,15 +443,16 @@ def test_a_squatted_default_endpoint_is_untrusted_and_the_fix_it_names_is_anothe
     squatted = os.path.join(sock_dir, "dfpipe")
     os.mkdir(squatted, 0o755)
     os.chown(squatted, STRANGER, STRANGER)                  # another user made it first
-    default = Config().service.target_endpoint
-    assert default == f"ipc://{sock_dir}/dfpipe/target.sock"
+    cfg = Config()
+    default, name = cfg.service.target_endpoint, f"{run_tag(cfg.resolve(cfg.train.out_dir))}-target.sock"
+    assert default == f"ipc://{sock_dir}/dfpipe/{name}"
     with pytest.raises(Untrusted) as refused:
         RouterChannel(default)
     message = str(refused.value)
     assert isinstance(refused.value, ChannelError)
     assert f"the folder {sock_dir}/dfpipe belongs to uid 65534 (nobody)" in message, message
     suggested = re.search(r"e\.g\. (ipc://\S+),", message).group(1)
-    assert suggested == f"ipc://{home}/.dfpipe/target.sock", "not the squatted default: a folder of our own"
+    assert suggested == f"ipc://{home}/.dfpipe/{name}", "not the squatted default: a folder of our own"
     assert f"or have {sock_dir}/dfpipe removed" in message
     RouterChannel(suggested).close()                          # and it works
     assert os.stat(os.path.join(home, ".dfpipe")).st_uid == os.geteuid()
