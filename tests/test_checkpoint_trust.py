@@ -198,7 +198,8 @@ def test_a_state_pt_with_a_reducer_fails_verification_and_never_runs(tmp_path: P
     run = tmp_path / "run"
     run.mkdir()
     legacy = _write_legacy(str(run), _planted_state(marker))
-    assert inspect(legacy)["verified"].startswith("failed: state.pt-unsafe: its pickle calls or builds io.open")
+    # the reducer's callable as the running Python pickles it: io.open (3.10, 3.11) or _io.open (3.12)
+    assert re.match(r"failed: state\.pt-unsafe: its pickle calls or builds _?io\.open", inspect(legacy)["verified"])
     with pytest.raises(NoCheckpointVerifies):
         resume_checkpoint(str(run))
     assert [os.path.basename(p) for p in list_moved_aside(str(run))] == ["step-00000003.bad-state.pt-unsafe"]
