@@ -3,6 +3,7 @@ the exported weights and computes what the trainer's own model computes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -235,21 +236,25 @@ def served(request, tmp_path_factory):
     return target_dir, str(root / "export")
 
 
-def _readme_usage(target_dir: str, export_dir: str, max_new_tokens: int = NEW_TOKENS):
-    """DFlash's README "Transformers" lines, with our export for the drafter and the CPU for cuda:0."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+def readme_transformers_lines() -> str:
+    """The README's Transformers lines (the block that calls spec_generate), as written."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (block,) = [b for b in blocks if "spec_generate(" in b]
+    return block
 
-    draft = AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype="auto", device_map="cpu").eval()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto", device_map="cpu").eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    messages = [{"role": "user", "content": "How many positive whole-number divisors does 196 have?"}]
-    input_ids = tokenizer.apply_chat_template(messages, return_tensors="pt", add_generation_prompt=True,
-                                              enable_thinking=False).to(draft.device)
-    output = draft.spec_generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=0.0, target=target,
-                                 stop_token_ids=[tokenizer.eos_token_id])
-    print(tokenizer.decode(output[0], skip_special_tokens=False))
+
+def _readme_usage(target_dir: str, export_dir: str, max_new_tokens: int = NEW_TOKENS):
+    """The README's Transformers lines (DFlash's README usage) run as written, on whatever device
+    they pick, with our export, its target, and `max_new_tokens` instead of 2,048."""
+    lines = readme_transformers_lines()
+    assert 'max_new_tokens=2048' in lines
+    lines = re.sub(r"(?m)^EXPORT, TARGET = .*$", f"EXPORT, TARGET = {export_dir!r}, {target_dir!r}", lines)
+    scope: dict = {}
+    exec(compile(lines.replace("max_new_tokens=2048", f"max_new_tokens={max_new_tokens}"), "README.md", "exec"), scope)
+    input_ids = scope["input_ids"]
     prompt = input_ids if isinstance(input_ids, torch.Tensor) else input_ids["input_ids"]   # transformers 5: a BatchEncoding
-    return draft, target, tokenizer, prompt[0].tolist(), output
+    return scope["draft"], scope["target"], scope["tokenizer"], prompt[0].tolist(), scope["output"]
 
 
 def test_the_reference_readme_usage_runs_on_our_export_and_equals_greedy_and_our_decode(served):
