@@ -54,6 +54,14 @@ def socket_dir() -> str:
     return SOCKET_DIRS[-1]
 
 
+def service_env(log_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """A service's environment: this one, its temporary files (torchrun's torchelastic_* folders,
+    which a killed agent leaves behind, ...) in the test's folder rather than /tmp, and `env`."""
+    tmp = log_dir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp), **(env or {})}
+
+
 def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:
     """A small config: the first `samples` demo chats, a tiny target, a 1-layer drafter."""
     tag = uuid.uuid4().hex[:8]
@@ -183,7 +191,7 @@ class Service:
         args = [role, "-c", str(config)]
         for o in overrides or []:
             args += ["--set", o]
-        full_env = {**os.environ, **(env or {})}
+        full_env = service_env(log_dir, env)
         self.proc: subprocess.Popen | Forked
         if any(os.environ.get(k) for k in ("DFPIPE_TEST_TARGET_DEVICES", "DFPIPE_TEST_TRAINER_DEVICE")):
             self.proc = subprocess.Popen([sys.executable, "-m", "dfpipe", *args], stdout=open(self.log_path, "wb"),

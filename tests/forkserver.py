@@ -20,6 +20,7 @@ import random
 import runpy
 import select
 import sys
+import tempfile
 
 import torch  # noqa: F401  (imported for the services)
 import torch._dynamo  # noqa: F401
@@ -38,6 +39,7 @@ def _run_service(request: dict) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None   # as a fresh interpreter: found again from this environment's TMPDIR
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]   # as `python -m` has it (this script's folder was there)
     sys.argv = ["dfpipe", *request["argv"]]
