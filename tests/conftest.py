@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -41,10 +42,66 @@ torch.set_num_threads(1)
 import machine_speed  # noqa: E402
 
 
+# What a run of the suite must not leave in /tmp or /dev/shm: its rings, the services' default
+# endpoint folders, the folders tests make in /tmp itself (a sticky folder others can enter),
+# torchrun's and inductor's folders (names are prefixes; only this user's count).
+LEFTOVER_PREFIXES = {"/tmp": ("dfpt-", "dfpgb-", "dfpipe-", "dfst-", "dfsh", "dfz", "dfck", "dfh", "torchelastic_",
+                             "torchinductor_"),
+                     "/dev/shm": ("dfpt-", "dfpgb-", "dfpipe-")}
+_before: dict[str, set[str]] = {}
+
+
+def _ours(folder: str) -> set[str]:
+    names = set()
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        with contextlib.suppress(OSError):
+            if (name.startswith(LEFTOVER_PREFIXES[folder])
+                    and os.lstat(os.path.join(folder, name)).st_uid == os.geteuid()):
+                names.add(name)
+    return names
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own configure made the run's temporary folder
 def pytest_configure(config: pytest.Config) -> None:
     """The machine's slowness, measured once per session: here in the first pytest process, before
-    xdist starts its workers, which (like every subprocess of a test) inherit it through the env."""
+    xdist starts its workers, which (like every subprocess of a test) inherit it through the env.
+
+    Temporary files and default endpoints in this run's own folder, not /tmp: TMPDIR (tempfile in
+    every test, service and torchrun agent: torchelastic_* folders) and XDG_RUNTIME_DIR (the default
+    endpoints' folder, else /tmp/dfpipe-<uid>) point into pytest's base folder, which pytest keeps
+    for the last runs' failures and then removes. Set here, in the first pytest process; its xdist
+    workers and every subprocess inherit them."""
     machine_speed.slowness()
+    if hasattr(config, "workerinput"):
+        return
+    base = config._tmp_path_factory.getbasetemp()   # type: ignore[attr-defined]  (pytest's tmp_path root)
+    for var, name in (("TMPDIR", "tmp"), ("XDG_RUNTIME_DIR", "run")):
+        folder = base / name
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.environ[var] = str(folder)
+    tempfile.tempdir = None   # found again from TMPDIR
+    # inductor keeps its precompiled C++ headers (~150 MB, ~10 CPU-s to build) in
+    # $TMPDIR/torchinductor_<user> whatever TORCHINDUCTOR_CACHE_DIR says: that name, in this run's
+    # folder, leads to the compiled-kernel cache that every run reuses.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+    os.symlink(os.environ["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
+    _before.update({folder: _ours(folder) for folder in LEFTOVER_PREFIXES})
+
+
+@pytest.hookimpl(trylast=True)   # after pytest's own, which tears down the last fixtures (their services)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that left something of its own in /tmp or /dev/shm fails, naming it."""
+    e2e = sys.modules.get("e2e")   # its socket folders and rings, in this process (each xdist worker's own)
+    if e2e is not None:
+        e2e.remove_leftovers()
+    if hasattr(session.config, "workerinput") or not _before:
+        return
+    left = sorted(os.path.join(folder, name) for folder in LEFTOVER_PREFIXES
+                  for name in _ours(folder) - _before[folder])
+    if left:
+        session.config.get_terminal_writer().line(f"the tests left behind: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -123,16 +180,20 @@ def cxx_compiler() -> str:
         pytest.skip(why)
 
 
-# The suite's longest test (minutes: two drafter trainings through the services). In collection
-# order it came among the last, and ran alone while the other xdist worker sat idle. Started first,
-# it runs beside the rest: `--dist load` hands each worker its first chunk and the rest on demand,
-# so the other worker takes the remaining tests meanwhile. Every other test keeps its order (moving
-# all the slow ones to the front made two long chunks that the workers could not share).
-LONGEST_FIRST = ("test_tau_ci.py",)   # module file names
+# `make test` hands whole files to its two xdist workers (`--dist loadfile`): a module's fixtures
+# (tiny targets, a trained toy target, a serving target) are built once, not once on each worker
+# (-95 CPU-s, -40 s). The costliest files go first, each to the worker that is free (the longest-
+# first rule): the many small files then even out the end, where one long file handed out last
+# kept one worker busy for two minutes while the other sat idle. Costs: CPU-s of each file in a
+# serial run (docs/benchmarks.md); every other file keeps its order.
+COSTLIEST_FIRST = ("test_e2e_trainer.py", "test_gpu_bench_smoke.py", "test_tau_ci.py", "test_stranger.py",
+                   "test_multihost.py", "test_e2e_restart.py", "test_demo.py", "test_e2e_checkpoint.py",
+                   "test_soak.py")   # module file names, costliest first
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)   # stable: the same on every worker
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the same on every worker
     # pytest-timeout's limit of every test (its own mark, else `--timeout`, else pyproject's
     # `timeout`), written for the reference machine, scaled to this one: a mark put first is the
     # one pytest-timeout reads. 0 (no limit, e.g. `--timeout 0`) stays 0.

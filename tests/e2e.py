@@ -49,17 +49,16 @@ atexit.register(remove_leftovers)
 
 def socket_dir() -> str:
     """A fresh folder for a config's ipc:// sockets: under /tmp, as a socket's path must stay
-    within ~107 bytes (pytest's tmp_path does not). Removed when this process exits."""
+    within ~107 bytes (pytest's tmp_path does not), and a stranger's process may be let in. Removed
+    at the end of the test session (tests/conftest.py) or when this process exits."""
     SOCKET_DIRS.append(tempfile.mkdtemp(prefix="dfpt-", dir="/tmp"))
     return SOCKET_DIRS[-1]
 
 
 def service_env(log_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """A service's environment: this one, its temporary files (torchrun's torchelastic_* folders,
-    which a killed agent leaves behind, ...) in the test's folder rather than /tmp, and `env`."""
-    tmp = log_dir / "tmp"
-    tmp.mkdir(exist_ok=True)
-    return {**os.environ, "TMPDIR": str(tmp), **(env or {})}
+    """A service's environment: this one (its temporary files in the test run's own folder, which
+    tests/conftest.py set as TMPDIR) and `env`."""
+    return {**os.environ, **(env or {})}
 
 
 def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:

@@ -40,9 +40,7 @@ def run_quick(tmp_path: Path, parts: tuple[str, ...]) -> tuple[dict, dict, str]:
     """run_all.sh --quick over `parts`: (its environment, results.json, the run id); every part ok
     and no ring of the run left in /dev/shm."""
     run_id = f"smoke{os.getpid()}{parts[1]}"
-    (tmp_path / "tmp").mkdir()   # the parts' temporary files (their torchrun agents' torchelastic_*), not /tmp
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
-           "TMPDIR": str(tmp_path / "tmp"),
            "PYTHON": sys.executable, "BENCH_PARTS": " ".join(parts), **limits_env(900),
            "OMP_NUM_THREADS": "1", "DFPIPE_BENCH_RUN_ID": run_id}
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick", *SMOKE_SIZES,
@@ -60,9 +58,7 @@ def run_quick(tmp_path: Path, parts: tuple[str, ...]) -> tuple[dict, dict, str]:
 def test_a_part_starts_while_the_budget_left_covers_its_own_need(tmp_path: Path) -> None:
     """P7's projection needs ~5 s: with 14 s of the run's budget left it runs (a default run once
     ended 10 s short of a fixed 15 s floor and printed P7 as not run). Alone, it says what it lacks."""
-    (tmp_path / "tmp").mkdir()   # the parts' temporary files (their torchrun agents' torchelastic_*), not /tmp
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DFPIPE_BENCH_WORKDIR": str(tmp_path / "work"),
-           "TMPDIR": str(tmp_path / "tmp"),
            "PYTHON": sys.executable, "BENCH_PARTS": "p7", "BENCH_BUDGET_S": "14", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run_all.sh"), "--quick"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=scaled(120))
