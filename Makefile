@@ -20,4 +20,4 @@ validators:
 	bash deploy/install-validators.sh
 
 test: $(STAMP) validators
-	$(PY) -m pytest -q -n 2 --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
