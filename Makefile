@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test validators
+.PHONY: demo test test-bench validators
 
 $(STAMP): requirements/cpu.txt requirements/base.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,4 +20,8 @@ validators:
 	bash deploy/install-validators.sh
 
 test: $(STAMP) validators
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not bench_smoke" tests
+
+# The GPU benchmark suite's CPU smoke (~2.5 min): CI runs it after `make test`.
+test-bench: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist load --durations=5 -m bench_smoke tests/test_gpu_bench_smoke.py

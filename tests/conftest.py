@@ -186,7 +186,7 @@ def cxx_compiler() -> str:
 # first rule): the many small files then even out the end, where one long file handed out last
 # kept one worker busy for two minutes while the other sat idle. Costs: CPU-s of each file in a
 # serial run (docs/benchmarks.md); every other file keeps its order.
-COSTLIEST_FIRST = ("test_e2e_trainer.py", "test_gpu_bench_smoke.py", "test_tau_ci.py", "test_stranger.py",
+COSTLIEST_FIRST = ("test_e2e_trainer.py", "test_tau_ci.py", "test_stranger.py",
                    "test_multihost.py", "test_e2e_restart.py", "test_demo.py", "test_e2e_checkpoint.py",
                    "test_soak.py")   # module file names, costliest first
 

@@ -27,7 +27,10 @@ OTHERS = ("env", "scale", "placements", "long")
 SMOKE_SIZES = ("--p2-repeats", "1", "--p2-batches", "3", "--p5-steps", "2", "--scale-batches", "3",
                "--p6-seconds", "3", "--p3-docs", "12")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+# The two runs of the suite (bench_smoke) take ~150 CPU-s, an eighth of all the other tests together:
+# `make test` leaves them out, `make test-bench` runs them (two workers, a half each), and so does
+# CI (.ci/run) after `make test`. The other tests here take seconds and stay in `make test`.
+pytestmark = pytest.mark.slow
 
 
 def limits_env(budget_s: float) -> dict[str, str]:
@@ -66,6 +69,8 @@ def test_a_part_starts_while_the_budget_left_covers_its_own_need(tmp_path: Path)
     assert p7["status"] == "skipped" and "needs p23" in p7["error"], (p7, res.stdout[-2000:])
 
 
+@pytest.mark.bench_smoke
+@pytest.mark.timeout(720)
 def test_the_headline_benchmark_parts_run_at_quick_sizes(tmp_path: Path) -> None:
     _, results, _ = run_quick(tmp_path, HEADLINE)
     figures = {p: results["parts"][p].get("figures", {}) for p in HEADLINE}
@@ -85,6 +90,8 @@ def test_the_headline_benchmark_parts_run_at_quick_sizes(tmp_path: Path) -> None
         assert bench["ratio"] is not None and bench["error"] is None, (key, bench)
 
 
+@pytest.mark.bench_smoke
+@pytest.mark.timeout(720)
 def test_the_other_benchmark_parts_and_scripts_run_at_quick_sizes(tmp_path: Path) -> None:
     env, results, run_id = run_quick(tmp_path, OTHERS)
     figures = {p: results["parts"][p].get("figures", {}) for p in OTHERS}
