@@ -255,19 +255,19 @@ def test_heldout_eval_reports_tau_every_n_steps_without_touchingassert_exactly_o
 def test_demo_runs_both_services_end_to_end_and_leaves_nothing_behind(tmp_path: Path, ring_name: str) -> None:
     out = tmp_path / "demo-run"
     sockets = tmp_path / "s"   # not the default private folder: another run of this user's may be using it
-    # The demo's own config, on its first 400 chats: ~13 steps instead of 65, past two held-out
-    # evals (every 5 steps here, 10 in the demo), logged points for the plot and the export (the
-    # full 2,000 are the same path five times longer; test_demo runs the demo on small configs too)
-    rows = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:400]
+    # The demo's own config, on its first 300 chats: ~10 steps instead of 65, past two held-out
+    # evals (every 4 steps here, 10 in the demo), logged points for the plot and the export (the
+    # full 2,000 are the same path six times longer; test_demo runs the demo on small configs too)
+    rows = (DEMO / "chat.jsonl").read_text(encoding="utf-8").splitlines()[:300]
     (tmp_path / "chat.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
     # nor the demo's ring: another demo on this host holds ring dfpipe-demo (the demo would say so and stop)
     res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "--set", f"train.out_dir={out}",
-                          "--set", f"data.train_path={tmp_path / 'chat.jsonl'}", "--set", f"ring.name={ring_name}", "--set", "train.eval_every=5",
+                          "--set", f"data.train_path={tmp_path / 'chat.jsonl'}", "--set", f"ring.name={ring_name}", "--set", "train.eval_every=4",
                           "--set", f"service.target_endpoint=ipc://{sockets}/target.sock",
                           "--set", f"service.trainer_endpoint=ipc://{sockets}/trainer.sock"],
                          capture_output=True, text=True, timeout=scaled(600), cwd=REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert re.search(r"trained              samples 400/400 \(0 duplicated\), documents ([\d,]+)/\1 "
+    assert re.search(r"trained              samples 300/300 \(0 duplicated\), documents ([\d,]+)/\1 "
                      r"\(0 duplicated\)", res.stdout), res.stdout[-3000:]
     assert "held-out eval        step " in res.stdout and " on 2 held-out batches" in res.stdout
     assert "/dev/shm left over   none" in res.stdout

@@ -112,7 +112,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def test_a_flood_of_large_frames_leaves_the_target_bounded_and_it_gives_the_memory_back(
         server, size: int, connections: int, growth_mb: int) -> None:
     service, endpoint = server["service"], server["endpoint"]
-    got = flood(service.pid, endpoint, size, seconds=5, status_endpoint=endpoint, connections=connections,
+    got = flood(service.pid, endpoint, size, seconds=3, status_endpoint=endpoint, connections=connections,
                 growth_mb=growth_mb)
     assert got["sent_mb"] > growth_mb, f"not a flood: {got}"
     assert got["growth_mb"] <= growth_mb, got
@@ -265,7 +265,7 @@ def test_a_flood_of_large_frames_from_12_connections_leaves_the_trainer_bounded(
     trainer = Service("trainer", config, tmp_path)
     try:
         wait_for(lambda: ctl(endpoint, "status"), 120, "the trainer's control endpoint")
-        got = flood(trainer.pid, endpoint, MB - 64, seconds=5, status_endpoint=endpoint)
+        got = flood(trainer.pid, endpoint, MB - 64, seconds=3, status_endpoint=endpoint)
         assert got["sent_mb"] > FLOOD_GROWTH_MB, f"not a flood: {got}"
         assert got["growth_mb"] <= FLOOD_GROWTH_MB, got
         assert got["after_mb"] <= FLOOD_AFTER_MB and got["back_s"] <= GIVE_BACK_S, got
