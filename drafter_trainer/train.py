@@ -418,13 +418,13 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.startup["process_to_setup_s"] = process_age_s()   # interpreter, imports, CUDA/NCCL init
+        t0 = time.perf_counter()   # resume_and_endpoints_s: the checkpoint's load and checks count in it
         torch.manual_seed(cfg.train.seed)
         have = self._resume()
         job = self.ranks.broadcast_str(f"{uuid.uuid4().hex[:12]}-{os.getpid()}")
         # rank 0 draws the session secret and the ranks share it like the job: only they may join,
         # ack into, commit to or widen the session on the target server (never logged or shown)
         secret = self.ranks.broadcast_str(new_session_secret())
-        t0 = time.perf_counter()
         if self.ranks.rank == 0:
             self.control = TrainerControl(cfg.service.trainer_endpoint, self.flags, self.status,
                                           cfg.service.max_message_bytes, CurveKeys.from_config(cfg),
