@@ -85,7 +85,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # folder, leads to the compiled-kernel cache that every run reuses.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
-    os.symlink(os.environ["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
+    if not os.path.lexists(default_cache_dir()):
+        os.symlink(os.environ["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
     _before.update({folder: _ours(folder) for folder in LEFTOVER_PREFIXES})
 
 
