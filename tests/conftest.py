@@ -88,6 +88,24 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.path.lexists(default_cache_dir()):
         os.symlink(os.environ["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
     _before.update({folder: _ours(folder) for folder in LEFTOVER_PREFIXES})
+    (base.parent / f"dfpipe-tests-{os.getpid()}").touch()   # this run is live (see pytest_sessionfinish)
+
+
+def _other_live_runs(runs: "os.PathLike[str]") -> list[int]:
+    """The pids of this user's other test runs that are still going (their marker, their process)."""
+    pids = []
+    for marker in glob.glob(os.path.join(runs, "dfpipe-tests-*")):
+        pid = int(marker.rsplit("-", 1)[1])
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                pids.append(pid)
+            except ProcessLookupError:   # killed before it could remove its marker
+                with contextlib.suppress(OSError):
+                    os.unlink(marker)
+            except PermissionError:
+                pids.append(pid)
+    return pids
 
 
 @pytest.hookimpl(trylast=True)   # after pytest's own, which tears down the last fixtures (their services)
@@ -98,9 +116,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         e2e.remove_leftovers()
     if hasattr(session.config, "workerinput") or not _before:
         return
+    runs = session.config._tmp_path_factory.getbasetemp().parent   # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):
+        os.unlink(runs / f"dfpipe-tests-{os.getpid()}")
     left = sorted(os.path.join(folder, name) for folder in LEFTOVER_PREFIXES
                   for name in _ours(folder) - _before[folder])
+    others = _other_live_runs(runs)
     if left:
+        session.config.get_terminal_writer().line()
+    if left and others:   # another run of this user's (a second clone) owns some of them, or all
+        session.config.get_terminal_writer().line(
+            f"not checked for leftovers: test runs {others} of this user still go; found {', '.join(left)}", yellow=True)
+    elif left:
         session.config.get_terminal_writer().line(f"the tests left behind: {', '.join(left)}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
