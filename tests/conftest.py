@@ -98,13 +98,11 @@ def _other_live_runs(runs: "os.PathLike[str]") -> list[int]:
         pid = int(marker.rsplit("-", 1)[1])
         if pid != os.getpid():
             try:
-                os.kill(pid, 0)
+                os.kill(pid, 0)   # a run of this same user: signalling it is allowed
                 pids.append(pid)
             except ProcessLookupError:   # killed before it could remove its marker
                 with contextlib.suppress(OSError):
                     os.unlink(marker)
-            except PermissionError:
-                pids.append(pid)
     return pids
 
 
@@ -121,14 +119,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         os.unlink(runs / f"dfpipe-tests-{os.getpid()}")
     left = sorted(os.path.join(folder, name) for folder in LEFTOVER_PREFIXES
                   for name in _ours(folder) - _before[folder])
+    if not left:
+        return
+    writer = session.config.get_terminal_writer()
+    writer.line()
     others = _other_live_runs(runs)
-    if left:
-        session.config.get_terminal_writer().line()
-    if left and others:   # another run of this user's (a second clone) owns some of them, or all
-        session.config.get_terminal_writer().line(
-            f"not checked for leftovers: test runs {others} of this user still go; found {', '.join(left)}", yellow=True)
-    elif left:
-        session.config.get_terminal_writer().line(f"the tests left behind: {', '.join(left)}", red=True)
+    if others:   # another run of this user's (a second clone) owns some of them, or all
+        writer.line(f"not checked for leftovers: test runs {others} of this user still go; found {', '.join(left)}",
+                    yellow=True)
+    else:
+        writer.line(f"the tests left behind: {', '.join(left)}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -55,12 +55,6 @@ def socket_dir() -> str:
     return SOCKET_DIRS[-1]
 
 
-def service_env(log_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """A service's environment: this one (its temporary files in the test run's own folder, which
-    tests/conftest.py set as TMPDIR) and `env`."""
-    return {**os.environ, **(env or {})}
-
-
 def write_config(tmp: Path, samples: int = 120, **sections: dict[str, Any]) -> Path:
     """A small config: the first `samples` demo chats, a tiny target, a 1-layer drafter."""
     tag = uuid.uuid4().hex[:8]
@@ -190,7 +184,7 @@ class Service:
         args = [role, "-c", str(config)]
         for o in overrides or []:
             args += ["--set", o]
-        full_env = service_env(log_dir, env)
+        full_env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | Forked
         if any(os.environ.get(k) for k in ("DFPIPE_TEST_TARGET_DEVICES", "DFPIPE_TEST_TRAINER_DEVICE")):
             self.proc = subprocess.Popen([sys.executable, "-m", "dfpipe", *args], stdout=open(self.log_path, "wb"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from drafter_trainer.checkpoint import read_meta
-from e2e import (CACHE, DEMO, REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving, service_env,
+from e2e import (CACHE, DEMO, REPO, Service, assert_exactly_once, ctl, inspect_run, load, serving,
                  wait_for, write_config, write_heldout)
 from machine_speed import scaled
 
@@ -39,7 +39,7 @@ class Torchrun(Service):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", "-m", "dfpipe", "trainer", "-c", str(config)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=service_env(log_dir))
+                                     start_new_session=True)
 
 
 @pytest.mark.skipif(os.environ.get("DFPIPE_TEST_TRAINER_DEVICE", "cpu") != "cpu" and _cuda_devices() < 2,

@@ -27,7 +27,7 @@ from common.config import ConfigError, load_config
 from common.liveness import self_identity
 from common.protocol import Hello, Reply, new_session_secret, next_rid, plan_id
 from common.seqset import SeqSet
-from e2e import Service, assert_exactly_once, ctl, load, service_env, wait_for, write_config
+from e2e import Service, assert_exactly_once, ctl, load, wait_for, write_config
 from target_server.delivery import TRAIN, DeliveryCore, EpochPlan, SlotView
 
 
@@ -141,7 +141,7 @@ class Torchrun(Service):
         self.role = role
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=service_env(log_dir, TORCHRUN_ENV))
+                                     start_new_session=True, env={**os.environ, **TORCHRUN_ENV})
         Service.started.append(self)
 
 
