@@ -623,6 +623,15 @@ def gradient_fidelity(drafter: Any, batch: Any, blocks: Any, step: int = 0) -> G
     return GradientFidelity(step=step, accuracy=accuracy, loss={k: v[0] for k, v in runs.items()}, cosine=cosine)
 
 
+def fixed_blocks(batch: Any, recipe: DrafterRecipe, mask_token_id: int, seed: int = 0) -> Any:
+    """The blocks of `batch` at recipe.max_anchors anchors a document, drawn once from `seed`."""
+    from common.config import default_gamma
+    from drafter_trainer.blocks import build_blocks, sample_anchors
+
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, recipe.max_anchors, torch.Generator().manual_seed(seed))
+    return build_blocks(batch, anchors, recipe.block_size, mask_token_id, default_gamma(recipe.block_size))
+
+
 FIDELITY_ACCURACIES = (0.5, 0.85)   # the middle and the end: half sharp, and sharp
 
 
@@ -636,16 +645,12 @@ def fp8_fidelity_along_training(target_dir: str, rows: list[dict[str, Any]], rec
     sharp, not memorised: there the gradient of the batch vanishes into rounding noise (even bf16's
     cosine to fp32 falls below 0.5 at accuracy 0.998). Raises RuntimeError when `max_steps` do not
     reach the last accuracy."""
-    from common.config import default_gamma
-    from drafter_trainer.blocks import build_blocks, sample_anchors
     from drafter_trainer.loss import dflash_loss
 
     drafter = untrained_drafter(target_dir, recipe, seed).train()
     drafter.precision = "bf16"                    # fp32 on the CPU: the training itself is not under test
     batch = captured_batch(target_dir, rows, drafter.config.target_layer_ids)
-    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, recipe.max_anchors, torch.Generator().manual_seed(seed))
-    blocks = build_blocks(batch, anchors, recipe.block_size, drafter.config.mask_token_id,
-                          default_gamma(recipe.block_size))
+    blocks = fixed_blocks(batch, recipe, drafter.config.mask_token_id, seed)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=recipe.lr)
     points = [gradient_fidelity(drafter, batch, blocks, 0)]
     log.info("FP8 gradient fidelity at %s", points[-1])

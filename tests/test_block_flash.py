@@ -14,6 +14,8 @@ from drafter_trainer.model import split_attention
 from test_drafter_model import MASK, make_batch
 from tolerances import assert_close
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 
 def test_plan_cuts_each_blocks_visible_keys_into_a_segment_run_and_a_block_run():
     # documents of 6 and 10 tokens (context 0-5, 6-15); blocks of 2 at anchors 0, 2, 3 | 6, 7, 9, 12;

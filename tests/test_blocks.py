@@ -11,6 +11,8 @@ from drafter_trainer.blocks import (IGNORE_INDEX, AttentionLayout, BlockError, a
 from test_drafter_model import MASK, make_batch
 from tolerances import approx
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 DOCS = [9, 14, 11]          # starts 0, 9, 23
 
 

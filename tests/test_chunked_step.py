@@ -22,6 +22,8 @@ from drafter_trainer.loss import dflash_loss
 from test_drafter_model import MASK, drafter_terms, make_batch, make_model, tiny_config
 from tolerances import assert_close
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 DOCS = [9, 30, 1, 17, 23]          # a one-token document: no anchor, but its tokens are context
 
 

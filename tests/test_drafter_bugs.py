@@ -18,6 +18,8 @@ from drafter_trainer.model import ContextError, DFlashConfig
 from test_drafter_model import MASK, drafter_terms, forward, make_batch, make_model, tiny_config
 from tolerances import assert_close, differs
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 DOCS = [9, 14, 11]          # starts 0, 9, 23
 
 

@@ -22,6 +22,8 @@ from drafter_trainer.model import ContextError, DFlashConfig, DFlashDraftModel, 
 from drafter_trainer.target_head import TargetHeadError, read_target_head
 from tolerances import assert_close, rel_err, tol, transformer_roundings, transformer_terms
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 VOCAB, HIDDEN, MASK = 97, 64, 96
 
 

@@ -21,6 +21,8 @@ from drafter_trainer.model import DFlashDraftModel
 from test_drafter_model import MASK, make_batch, make_model, tiny_config
 from tolerances import C, assert_close, eps
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 E4M3_U = eps(fp8.E4M3) / 2          # unit roundoff of e4m3: 3 mantissa bits, 2^-4
 E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10   # half the spacing of e4m3's subnormals (2^-9), in units of the scale
 FP8_MMA_ACCUMULATOR_EPS = 2.0 ** -13    # Hopper FP8 MMA: partial sums with ~14 significant bits

@@ -23,6 +23,8 @@ from target_server.target import TargetRunner
 from target_server.tiny import build_tiny_target, resolve_target
 from tolerances import assert_close, differs, rel_err, target_terms, tol, transformer_roundings
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 ARCHS = ("qwen3.5", "qwen3")
 
 

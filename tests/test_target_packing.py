@@ -23,6 +23,8 @@ from target_server import varlen
 from target_server.target import TargetRunner
 from tolerances import assert_close, differs, rel_err, target_terms, tol, transformer_roundings
 
+pytestmark = pytest.mark.numerics   # run again under ATEN_CPU_CAPABILITY=default (make test-numerics)
+
 ARCHS = ("qwen3.5", "qwen3")
 # length 1, lengths below the conv kernel (4), and lengths across the delta rule's 64-token chunks
 DOC_LENS = [1, 2, 3, 5, 70, 17, 130]
