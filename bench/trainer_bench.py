@@ -21,7 +21,7 @@ saves the [T, k*H] concatenation), and FLOPs per step counted explicitly:
     mlp           2*R*3*H*I per layer, x3
     attention     2*2*R*q_dim*keys per layer (QK^T and PV), x3; keys = the *visible* keys of each
                   query (model FLOPs) and, separately, the keys the chosen kernel computes
-                  (split: its segment's context range + B, sdpa: T+R, flex: visible 128x128 tiles)
+                  (split: its segment's context range + B, sdpa: T+R, flex and fa4: the block mask's 128x64 tiles)
     lm_head       2*R_loss*H*V, x2 (forward + input grad; frozen, rows with zero weight skipped)
 
 R = N*B block rows, R_loss = rows with a positive loss weight. MFU = model FLOPs / step time /
@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.batch import PackedBatch, check_batch, document_positions  # noqa: E402
+from drafter_trainer.block_mask import KV_TILE, Q_TILE, block_mask_of_blocks  # noqa: E402
 from drafter_trainer.blocks import AttentionLayout, anchor_seed, build_blocks, sample_anchors  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
 from drafter_trainer.optim import build_adamw  # noqa: E402
@@ -138,6 +139,7 @@ def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
     q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     r_loss = int((blocks.weights > 0).sum())
     n = cfg.num_hidden_layers
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
     windows = [cfg.layer_window(i) for i in range(n)]
     visible_by_layer = [visible_keys(blocks, w) for w in windows]
     # under flash a sliding-window layer runs flex (compiled, as the GPU benchmarks run)
@@ -150,17 +152,13 @@ def step_flops(cfg: DFlashConfig, batch: PackedBatch, blocks, attn_impl: str,
         for i in counted:
             if impls[i] == "split":
                 computed += sum((q1 - q0) * (k1 - k0 + b) for q0, q1, k0, k1 in layout.window_segments(windows[i]))
-                continue
-            dense = layout.dense_mask(windows[i])
-            if impls[i] == "flex":
-                tile = 128                  # flex computes every 128x128 tile holding a visible key
-                rq, rk = -(-rows // tile) * tile, -(-dense.shape[1] // tile) * tile
-                padded = torch.zeros(rq, rk, dtype=torch.bool, device=dense.device)
-                padded[: dense.shape[0], : dense.shape[1]] = dense
-                computed += int(padded.view(rq // tile, tile, rk // tile, tile).any(3).any(1).sum()) * tile * tile
+            elif impls[i] in ("flex", "fa4"):
+                # every listed tile of the block mask (folded rows: g rows a query token)
+                mask = block_mask_of_blocks(part, groups, windows[i])
+                tiles = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
+                computed += tiles * Q_TILE * KV_TILE // groups
             else:
-                computed += rows * dense.shape[1]
-            del dense
+                computed += rows * layout.num_keys
     out = {
         "fc": 2 * 2.0 * t * k * h * h,
         "ctx_kv": 3 * 2.0 * t * h * 2 * kv_dim * n,
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--sliding-window", type=int, default=0, help="0: all layers full attention")
     p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex", "flash"])
+    p.add_argument("--attn", default="auto", choices=["auto", "split", "sdpa", "flex", "flash", "fa4"])
     p.add_argument("--split-fc", default="both", choices=["both", "on", "off"])
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="drafter.compile: torch.compile layers, norms and loss; auto: on for CUDA")

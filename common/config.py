@@ -80,7 +80,7 @@ class DrafterConfig:
     sliding_window: int = 0             # 0: all layers full attention
     layer_types: list[str] = field(default_factory=list)  # empty: all full_attention
     split_fc: bool = False
-    attn: str = "auto"                  # split | sdpa | flex | flash; auto: split on CPU, flash on CUDA (else flex)
+    attn: str = "auto"                  # split | sdpa | flex | flash | fa4; auto: split on CPU; on CUDA fa4 (SM90, FA4 installed, compiled), else flash, else flex
     compile: str = "auto"               # on | off: torch.compile the layers, norms and loss; auto: on for CUDA
     precision: str = "bf16"             # matmuls: bf16 | fp8 (scaled e4m3, Ada/Hopper) | fp8-emulated | auto (fp8 where it runs)
     loss_chunk: int = 1024              # anchor-block rows per lm_head chunk
@@ -308,8 +308,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.drafter.blocks_per_chunk >= 0, "drafter.blocks_per_chunk: 0 (auto) or a positive number of blocks")
     for t in cfg.drafter.layer_types:
         need(t in ("full_attention", "sliding_attention"), f"drafter.layer_types: unknown type {t!r}")
-    need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex", "flash"),
-         "drafter.attn: auto | split | sdpa | flex | flash")
+    need(cfg.drafter.attn in ("auto", "split", "sdpa", "flex", "flash", "fa4"),
+         "drafter.attn: auto | split | sdpa | flex | flash | fa4")
     need(cfg.drafter.compile in ("auto", "off", "on"), "drafter.compile: auto | off | on")
     need(cfg.drafter.precision in ("auto", "bf16", "fp8", "fp8-emulated"),
          "drafter.precision: auto | bf16 | fp8 | fp8-emulated")

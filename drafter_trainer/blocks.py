@@ -262,7 +262,8 @@ class AttentionLayout:
     document -1 and so see only their own MASK tokens: a finite softmax over no data.
 
     `visible` is the only definition of the rule; the mask builders below evaluate it on
-    different key sets: all T + N*B keys (dense, flex), or per segment (split). A segment is a
+    different key sets: all T + N*B keys (dense), or per segment (split); block_mask.py restates
+    it as two key ranges per query row (flex, fa4; tests compare them). A segment is a
     run of at most `segment_rows` query rows from consecutive blocks of one document, with the
     context keys [document start, last anchor of the run): every context key any of its queries
     may see, and few others. The split path scores a segment's queries against those keys plus
@@ -334,7 +335,7 @@ class AttentionLayout:
         return self.num_keys - self.num_queries
 
     def visible(self, q: torch.Tensor, kv: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-        """True where query index q may attend to key index kv (broadcasting; also a flex mask_mod)."""
+        """True where query index q may attend to key index kv (broadcasting)."""
         context = (self.key_block[kv] < 0) & (self.key_doc[kv] == self.query_doc[q]) \
             & (self.key_pos[kv] < self.query_anchor_pos[q])
         own_block = self.key_block[kv] == self.query_block[q]
@@ -363,16 +364,6 @@ class AttentionLayout:
             kv = torch.cat([torch.arange(k0, k1, device=device)[None, :].expand(q1 - q0, -1), own_keys], dim=1)
             masks.append(self.visible(q, kv, sliding_window))
         return masks
-
-    def flex_mask(self, sliding_window: int | None, block: int = 128):
-        """A flex_attention BlockMask over all keys (tiles with no visible key are skipped)."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, kv):
-            return self.visible(q, kv, sliding_window)
-
-        return create_block_mask(mask_mod, None, None, self.num_queries, self.num_keys,
-                                 device=self.query_pos.device, BLOCK_SIZE=block)
 
 
 MIN_LAST_CHUNK_QUERIES = 256   # two of flex attention's 128-row query tiles

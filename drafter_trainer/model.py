@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -31,12 +32,16 @@ from torch.utils.checkpoint import checkpoint
 from common.config import DrafterConfig, default_layer_ids
 from drafter_trainer.block_flash import (block_flash_attention, fold_queries, group_major, plan_of_blocks,
                                          unfold_queries)
+from drafter_trainer.block_mask import block_mask_of_blocks, fa4_problem, masked_attention
 from drafter_trainer.blocks import AttentionLayout, BlockBatch
 from drafter_trainer.fp8 import linear
 from drafter_trainer.target_head import FrozenTargetWeight, TargetHeadError, read_target_head, text_config
 
+log = logging.getLogger("dfpipe.trainer")
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ATTN_IMPLS = ("auto", "split", "sdpa", "flex", "flash")
+ATTN_IMPLS = ("auto", "split", "sdpa", "flex", "flash", "fa4")
+FOLDED_IMPLS = ("flash", "flex", "fa4")    # the paths that take queries folded (block_flash.fold_queries)
 COMPILE_MODES = ("auto", "off", "on")
 LAYER_COMPILE_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}   # inductor's, for every compiled layer
 
@@ -283,30 +288,6 @@ def split_attention_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 # each here, not the import: that loads torch._dynamo (~1 s) into every process.
 _layer_split_attention = split_attention_of
 _layer_flash_attention = block_flash_attention
-_compiled_flex = None
-# A chunk of under 128 queries (a batch's last, a test's) would otherwise take inductor's
-# flex-decoding kernel, meant for a few queries over a long cache: on the H200 it found no kernel
-# configuration for head size 16 and failed to compile. Block queries are never decoding.
-FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
-
-
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
-    """Block-sparse attention (AttentionLayout.flex_mask): compiled on CUDA, eager elsewhere (tests).
-
-    Inside a compiled layer (`DFlashDraftModel.compile_for`) flex is called as it is: the
-    enclosing graph lowers it to its fused kernel, and a torch.compile of its own there would
-    only nest one compile in another.
-    """
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    if q.device.type != "cuda" or torch.compiler.is_compiling():
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex, dynamic=True)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=FLEX_KERNEL_OPTIONS)
-
-
 # The split path's query rows per segment, scored in one matmul: memory against launches. On the
 # H200 (27B widths, published density, eager) 1,024 rows stepped in 7.4 s against 8.6 s with 256:
 # a segment is a few small kernels, and 256-row segments are thousands a step.
@@ -323,21 +304,36 @@ def flash_kernels_available() -> bool:
         and torch.cuda.get_device_capability()[0] >= 8
 
 
-def resolve_attention(impl: str, device_type: str, head_dim: int, *, half: bool = True) -> str:
+def resolve_attention(impl: str, device_type: str, head_dim: int, *, half: bool = True, compiled: bool = True) -> str:
     """The attention path "auto" stands for: split on the CPU (it scores only the visible keys
-    and needs no compiler). On CUDA, flash, the fastest path measured on the H200 (FlashAttention's
-    kernels: at the 27B shape and the published density the step ran 1.088x faster than with
-    flex, docs/benchmarks.md), where its kernels run: a head size they take (a multiple of 8 up
-    to 256) and bf16 / fp16 compute (`half`). Otherwise flex, unless the head size is one flex
-    has no kernel for (not a power of two >= 16): then sdpa. Any other value is returned as it
-    is. (Under flash, sliding-window layers take `sliding_attention_path`.)"""
+    and needs no compiler). On CUDA, where FlashAttention's kernels run (a head size they take, a
+    multiple of 8 up to 256, and bf16 / fp16 compute, `half`): fa4, one masked FlashAttention 4 call
+    a layer (block_mask.py), in a compiled model on an SM90 GPU where flash-attn-4 imports and its
+    start-up probe agrees with FlashAttention 2 (`fa4_problem`; else one log line says why); flash,
+    FlashAttention 2 over key runs (block_flash.py), otherwise (at the 27B shape and the published
+    density 1.088x flex's step on the H200, docs/benchmarks.md). Without them flex, unless the
+    head size is one flex has no kernel for (not a power of two >= 16): then sdpa. Any other value
+    is returned as it is. (Under flash, sliding-window layers take `sliding_attention_path`.)"""
     if impl != "auto":
         return impl
     if device_type != "cuda":
         return "split"
     if half and head_dim % 8 == 0 and head_dim <= 256 and flash_kernels_available():
-        return "flash"
+        return "fa4" if compiled and fa4_usable(head_dim) else "flash"
     return "flex" if head_dim >= 16 and head_dim & (head_dim - 1) == 0 else "sdpa"
+
+
+_fa4_reported: set[int] = set()
+
+
+def fa4_usable(head_dim: int) -> bool:
+    """Whether `auto` takes fa4 here (`block_mask.fa4_problem`); the first time it does not, one
+    log line says why."""
+    problem = fa4_problem(head_dim)
+    if problem is not None and head_dim not in _fa4_reported:
+        _fa4_reported.add(head_dim)
+        log.info("drafter attention: FlashAttention 2 (flash), not FlashAttention 4: %s", problem)
+    return problem is None
 
 
 def sliding_attention_path(device_type: str, compiled: bool) -> str:
@@ -390,11 +386,11 @@ class DFlashAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], mask: Any, attn_impl: str) -> torch.Tensor:
         q_len = hidden_states.shape[0]
         cos, sin = rope                      # the block positions: its queries' and its keys'
-        flash = attn_impl == "flash"
+        folded = attn_impl in FOLDED_IMPLS
         g, h_kv = self.num_heads // self.num_kv_heads, self.num_kv_heads
-        # flash folds each key head's g query heads into rows, a view when q's heads come
-        # group-major: q_proj's rows reordered so (block_flash.group_major), o_proj's columns alike
-        q_weight = group_major(self.q_proj.weight, h_kv, g, dim=0) if flash else self.q_proj.weight
+        # flash, flex and fa4 fold each key head's g query heads into rows, a view when q's heads
+        # come group-major: q_proj's rows reordered so (block_flash.group_major), o_proj's columns alike
+        q_weight = group_major(self.q_proj.weight, h_kv, g, dim=0) if folded else self.q_proj.weight
         precision = self.q_proj.precision
         q = self.q_norm(linear(hidden_states, q_weight, precision).view(q_len, self.num_heads, self.head_dim))
         # Block keys/values go through the same projections, k_norm and RoPE as the context's
@@ -404,17 +400,18 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         k = torch.cat([context_k.to(v.dtype), k], dim=0)
         v = torch.cat([context_v.to(v.dtype), v], dim=0)
-        if flash:                               # mask: a FlashPlan over the folded query rows
-            out = _layer_flash_attention(fold_queries(q, g), k, v, mask)
+        if folded:
+            if attn_impl == "flash":            # mask: a FlashPlan over the folded query rows
+                out = _layer_flash_attention(fold_queries(q, g), k, v, mask)
+            else:                               # mask: a BlockMask over them (block_mask.py)
+                out = masked_attention(fold_queries(q, g), k, v, mask, fa4=attn_impl == "fa4")
             return linear(unfold_queries(out, g), group_major(self.o_proj.weight, h_kv, g, dim=1), precision)
 
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, L, head_dim]
         if attn_impl == "split":
             out = _layer_split_attention(q, k, v, mask, self.block_size)     # mask: a SplitMask
-        elif attn_impl == "sdpa":
-            out = sdpa_attention(q, k, v, mask)
         else:
-            out = flex_attention(q, k, v, mask)
+            out = sdpa_attention(q, k, v, mask)
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
 
 
@@ -456,10 +453,12 @@ class DFlashDraftModel(nn.Module):
     of the same `fc.weight`, so it never builds the [T, k*H] concatenation (and autograd saves
     views of the planes instead of a copy): a compute choice, not a different model.
     attn_impl: "split" (scores against [context ; own block] only, materialised; fastest on CPU),
-    "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (block-sparse fused
-    kernel, compiled on CUDA), "flash" (FlashAttention's varlen kernels over per-segment and
-    per-block key runs, block_flash.py; CUDA, bf16/fp16); "auto": `resolve_attention`. All
-    evaluate one mask rule (AttentionLayout.visible) and agree numerically (tests).
+    "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (one block-sparse
+    masked call, block_mask.py, flex's Triton kernels, compiled on CUDA), "fa4" (the same call on
+    FlashAttention 4's Hopper kernels; SM90, bf16/fp16), "flash" (FlashAttention 2's varlen
+    kernels over per-segment and per-block key runs, block_flash.py; CUDA, bf16/fp16); "auto":
+    `resolve_attention`. All evaluate one mask rule (AttentionLayout.visible) and agree
+    numerically (tests).
     `compile_for` runs the decoder layers and the two norms through torch.compile (see there).
     """
 
@@ -476,6 +475,7 @@ class DFlashDraftModel(nn.Module):
         self.checkpoint_layers = False      # recompute layer activations in backward (GPU memory)
         self.segment_rows = 0               # split path: query rows scored per segment; 0: SEGMENT_ROWS by device
         self.compiled = False               # set by compile_for
+        self.attention_ran: str | None = None   # the path(s) the last forward's attention took (trainer status)
         h = config.hidden_size
         self.fc = Linear(config.num_context_layers * h, h)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
@@ -686,17 +686,20 @@ class DFlashDraftModel(nn.Module):
         windows = {layer.self_attn.sliding_window for layer in self.layers}
         half = noise_embedding.dtype in HALF_DTYPES or (
             torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) in HALF_DTYPES)
-        impl = resolve_attention(self.attn_impl, device.type, cfg.head_dim, half=half)
-        if impl == "flash" and device.type == "cuda" and not half:
-            raise DrafterConfigError("drafter.attn flash runs FlashAttention's kernels: on CUDA they need bf16 or "
+        impl = resolve_attention(self.attn_impl, device.type, cfg.head_dim, half=half, compiled=self.compiled)
+        if impl in ("flash", "fa4") and device.type == "cuda" and not half:
+            raise DrafterConfigError(f"drafter.attn {impl} runs FlashAttention's kernels: on CUDA they need bf16 or "
                                      "fp16 compute (train.compute_dtype), not fp32")
         sliding = sliding_attention_path(device.type, self.compiled)
         impls = {w: sliding if impl == "flash" and w is not None else impl for w in windows}
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
         make_mask = {"split": lambda w: SplitMask(layout.window_segments(w), layout.split_masks(w)),
-                     "sdpa": layout.dense_mask, "flex": layout.flex_mask,
-                     "flash": lambda w: plan_of_blocks(blocks, max(1, segment_rows // cfg.block_size),
-                                                       cfg.num_attention_heads // cfg.num_key_value_heads)}
+                     "sdpa": layout.dense_mask,
+                     "flex": lambda w: block_mask_of_blocks(blocks, groups, w, static=self.compiled),
+                     "fa4": lambda w: block_mask_of_blocks(blocks, groups, w, static=self.compiled),
+                     "flash": lambda w: plan_of_blocks(blocks, max(1, segment_rows // cfg.block_size), groups)}
         masks = {w: make_mask[impls[w]](w) for w in windows}
+        self.attention_ran = "+".join(sorted(set(impls.values())))
 
         hidden_states = noise_embedding
         for layer, (context_k, context_v) in zip(self.layers, context_kv):

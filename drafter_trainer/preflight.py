@@ -20,6 +20,7 @@ from common.config import Config, ConfigError, check_devices
 from common.preflight import (Problems, check_capture_layers, check_endpoint, check_target_folders, local_model,
                               model_folder_problem, port_problem, tokenizer_folder, writable_folder_problem)
 
+from .block_mask import fa4_missing
 from .fp8 import resolve_precision
 from .step import rank_device
 
@@ -131,6 +132,9 @@ def preflight(cfg: Config) -> None:
     device = _check_device(cfg, problems)
     if device is not None:
         problems.check(resolve_precision, cfg.drafter.precision, device)   # fp8 needs FP8 matmuls here
+        if cfg.drafter.attn == "fa4":
+            missing = fa4_missing(device)
+            problems.add(missing and f"drafter.attn fa4: {missing} (auto takes it where it runs, else flash)")
     check_target_folders(cfg, problems, "the trainer reads the target's config.json, embedding and lm_head there")
     check_capture_layers(cfg, problems)
     _check_mask_token(cfg, problems)

@@ -270,7 +270,9 @@ class Trainer:
                 "target_precision": self.target_precision,
                 "world": self.ranks.world, "stages": self.stages.snapshot(),
                 "startup": {k: round(v, 3) if v is not None else None for k, v in self.startup.items()},
-                "eval": self.last_eval, "compile": dict(self.compile_state)}
+                "eval": self.last_eval, "compile": dict(self.compile_state),
+                # fa4 (FlashAttention 4), flash (FlashAttention 2), flex, split or sdpa: what the last step ran
+                "attention": self.model.attention_ran if self.model is not None else None}
 
     def _progress(self) -> dict[str, float | None]:
         """How far through the whole plan (every epoch, every host) and the seconds left at the

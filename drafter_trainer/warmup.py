@@ -153,19 +153,24 @@ def _quick_gil_handover(on: bool) -> None:
 
 
 def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:
-    """The attention path for the eager steps while compiling: flex on CUDA is itself a compiled
-    kernel (its first call traces and compiles), so those steps use the split path, which scores
-    only the visible keys and computes the same attention (tests compare the paths). On the H200
-    at the published density an eager step took 7.4 s with it against 10.0 s with the dense-mask
-    SDPA kernel, which scores every key of the batch. Flash (CUDA's auto) runs precompiled
-    kernels and stays (its sliding-window layers run split while the model is eager)."""
-    return "split" if resolve_attention(impl, device.type, head_dim) == "flex" and device.type == "cuda" else impl
+    """The attention path for the eager steps while compiling: flex and fa4 on CUDA are compiled
+    kernels (their first call traces and compiles), so those steps use the split path for flex,
+    which scores only the visible keys, and FlashAttention 2 (flash) for fa4: the same attention
+    (tests compare the paths). On the H200 at the published density an eager step took 7.4 s with
+    split against 10.0 s with the dense-mask SDPA kernel, which scores every key of the batch.
+    Flash (CUDA's auto in an eager model) runs precompiled kernels and stays (its sliding-window
+    layers run split while the model is eager)."""
+    if device.type != "cuda":
+        return impl
+    resolved = resolve_attention(impl, device.type, head_dim, compiled=False)
+    return {"flex": "split", "fa4": "flash"}.get(resolved, impl)
 
 
 def needs_compiling(model_compile_mode: str, attn: str, device: torch.device, head_dim: int) -> bool:
-    """Whether a drafter built with these settings compiles anything on `device`."""
+    """Whether a drafter built with these settings compiles anything on `device` (fa4 and flex
+    compile their attention call even in an eager model)."""
     on = model_compile_mode == "on" or (model_compile_mode == "auto" and device.type == "cuda")
-    return on or (resolve_attention(attn, device.type, head_dim) == "flex" and device.type == "cuda")
+    return on or (device.type == "cuda" and resolve_attention(attn, device.type, head_dim, compiled=False) in ("flex", "fa4"))
 
 
 def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:

@@ -32,3 +32,16 @@ def test_flash_computes_exactly_the_visible_keys_and_split_more():
     assert split["attn_computed"] > split["attn_visible"]      # split scores its segment's whole context range
     q_dim = cfg.num_attention_heads * cfg.head_dim
     assert flash["attn_visible"] == 3 * 4.0 * q_dim * 2 * visible_keys(blocks, None)
+
+
+def test_the_masked_call_computes_its_listed_tiles_at_least_the_visible_keys():
+    cfg = tiny_config(num_hidden_layers=2)
+    batch = make_batch([300, 40])
+    anchors = sample_anchors(batch.loss_mask, batch.doc_lens, 24, torch.Generator().manual_seed(1))
+    blocks = build_blocks(batch, anchors, 4, MASK, 3.0)
+    flex, fa4 = (step_flops(cfg, batch, blocks, impl, blocks_per_chunk=8) for impl in ("flex", "fa4"))
+    assert flex == fa4 and fa4["attn_visible"] < fa4["attn_computed"]
+    # whole 128-row, 64-key tiles of folded rows: a multiple of that, per layer and query token
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    per_pair = 3 * 4.0 * cfg.num_attention_heads * cfg.head_dim
+    assert (fa4["attn_computed"] / per_pair * groups) % (128 * 64) == 0

@@ -188,12 +188,17 @@ def test_dockerfile_builds_on_a_cuda_pytorch_base_with_pinned_gpu_requirements()
     text = (REPO / "deploy" / "Dockerfile").read_text()
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1)
     assert "pytorch" in base and "cuda" in base
-    assert "requirements/gpu.txt" in text
-    gpu = (REPO / "requirements" / "gpu.txt").read_text()
-    assert "-r base.txt" in gpu
-    for line in gpu.splitlines():
-        if line and not line.startswith(("#", "-r")):
-            assert "==" in line, f"unpinned GPU requirement: {line}"
+    installed = re.search(r"-r (requirements/\S+\.txt)", text).group(1)
+    files, seen = [REPO / installed], []
+    while files:                      # the file the image installs and every file it includes
+        path = files.pop()
+        seen.append(path.name)
+        for line in path.read_text().splitlines():
+            if line.startswith("-r "):
+                files.append(path.parent / line.split()[1])
+            elif line and not line.startswith("#"):
+                assert "==" in line, f"unpinned GPU requirement in {path.name}: {line}"
+    assert {"gpu.txt", "base.txt"} <= set(seen), seen
 
 
 def _torchrun_args(argv: list[str], env: dict[str, str]) -> Any:

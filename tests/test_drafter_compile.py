@@ -174,7 +174,9 @@ def test_flex_attention_inside_a_compiled_layer_traces_once_for_every_context_le
     eager, compiled = make_model(cfg, attn_impl="flex"), make_model(cfg, attn_impl="flex")
     for layer in compiled.layers:
         layer.compile(dynamic=True, backend=counting_backend)
-    for docs, anchors in (([12, 22], [1, 5, 13, 20, 28]), ([30, 9, 17], [2, 6, 11, 19, 33, 40, 44])):
+    # two key tiles of the block mask's 64 or more in both batches: dynamo specialises a size of 1
+    # (the trainer's batches hold far more keys)
+    for docs, anchors in (([40, 30], [1, 5, 13, 20, 48]), ([50, 9, 17], [2, 6, 11, 19, 53, 60, 64])):
         batch = make_batch(docs)
         blocks = build_blocks(batch, torch.tensor(anchors), 4, MASK, 7.0)
         with torch.no_grad(), warnings.catch_warnings():
@@ -452,6 +454,34 @@ def test_auto_attention_is_flash_where_its_kernels_run_else_flex_else_sdpa(monke
     assert resolve_attention("flex", "cuda", 256) == "flex"          # an explicit choice stays
     monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: False)   # pre-sm80 GPUs
     assert resolve_attention("auto", "cuda", 256) == "flex"
+
+
+def test_auto_attention_takes_fa4_only_in_a_compiled_model_where_its_probe_agrees(monkeypatch, caplog):
+    from drafter_trainer import model as drafter_model
+    from drafter_trainer.model import resolve_attention
+    from drafter_trainer.warmup import eager_attention, needs_compiling
+
+    monkeypatch.setattr(drafter_model, "flash_kernels_available", lambda: True)
+    monkeypatch.setattr(drafter_model, "fa4_problem", lambda head_dim: None)
+    assert resolve_attention("auto", "cuda", 256) == "fa4"
+    assert resolve_attention("auto", "cuda", 256, compiled=False) == "flash"   # FA4 runs through a compile
+    assert resolve_attention("auto", "cuda", 256, half=False) == "flex"        # fp32: no FlashAttention
+    assert resolve_attention("auto", "cpu", 256) == "split"
+    # where it cannot run: flash, and one log line saying why, once
+    monkeypatch.setattr(drafter_model, "_fa4_reported", set())
+    monkeypatch.setattr(drafter_model, "fa4_problem", lambda head_dim: "no flash-attn-4 here")
+    with caplog.at_level("INFO", logger="dfpipe.trainer"):
+        assert [resolve_attention("auto", "cuda", 256) for _ in range(3)] == ["flash"] * 3
+    said = [r.getMessage() for r in caplog.records if "FlashAttention 4" in r.getMessage()]
+    assert len(said) == 1 and "no flash-attn-4 here" in said[0]
+
+    # eager steps and the decision to compile never wait for the probe
+    def no_probe(head_dim: int) -> str | None:
+        raise AssertionError("probed")
+    monkeypatch.setattr(drafter_model, "fa4_problem", no_probe)
+    cuda = torch.device("cuda", 0)
+    assert eager_attention("fa4", cuda, 256) == "flash" and eager_attention("auto", cuda, 256) == "auto"
+    assert needs_compiling("off", "fa4", cuda, 256) and not needs_compiling("off", "auto", cuda, 256)
 
 
 def test_eager_steps_avoid_flex_only_on_cuda_and_only_compiling_settings_start_a_background_compile(monkeypatch):

@@ -183,6 +183,23 @@ def test_the_mask_token_comes_from_target_tokenizer_when_the_model_folder_has_no
         preflight(_cfg(model))
 
 
+def test_asking_for_fa4_where_it_cannot_run_is_refused_at_start_with_the_reason(tmp_path: Path) -> None:
+    from drafter_trainer.block_mask import fa4_missing
+    from drafter_trainer.preflight import preflight
+    from target_server.tiny import build_tiny_target
+
+    model = build_tiny_target(str(tmp_path / "t"), num_layers=4)
+    cfg = _cfg(model, str(DEMO / "tokenizer"))
+    cfg.train.device, cfg.train.out_dir, cfg.target.num_capture_layers = "cpu", str(tmp_path / "run"), 1
+    preflight(cfg)                                  # auto: nothing to refuse
+    cfg.drafter.attn = "fa4"
+    with pytest.raises(ConfigError, match="drafter.attn fa4: FlashAttention 4 runs on CUDA GPUs only"):
+        preflight(cfg)
+    if torch.cuda.is_available() and fa4_missing(torch.device("cuda", 0)) is None:
+        cfg.train.device = "cuda:0"
+        preflight(cfg)                              # where it runs, asked for: taken
+
+
 def _tokenizer_without_mask(folder: Path, tokens: int) -> str:
     from tokenizers import Tokenizer, models
 

@@ -5,21 +5,17 @@ The P5d profile puts flex attention at about a fifth of the drafter step's devic
 runs (the 27B shape's query/key heads and head size, one layer, every chunk of the prepared
 dataset's first batches) under these variants:
 
-- `flex`: AttentionLayout.flex_mask as the model builds it, compiled flex;
-- `flex-range`: the same keys, a mask of per-block key ranges (no per-key lookups);
-- `flex-seg`: each segment of `--segment-rows` queries gets its own copy of the context keys it
-  can see (gathered; the backward sums the copies), so no key tile serves more than one
-  segment's queries: the backward's per-key-tile work is bounded;
+- `flex`: the model's one masked call (drafter_trainer.block_mask: folded queries, a block mask of
+  two key ranges a row), flex's Triton kernels, compiled;
+- `fa4`: the same call on FlashAttention 4's kernels (flex's FLASH backend; SM90, flash-attn-4);
 - `split`: the split path (per-segment matmuls, eager, as the model runs it);
-- `flash`: FlashAttention's varlen kernels over segment-copied keys (drafter_trainer.block_flash),
-  segments of `--segment-rows` queries; `flash:A` and `flash:B` time one of its parts alone;
-- `opts:<json>`: `flex` with explicit kernel_options (--options, repeatable);
-- `autotune`: `flex` compiled with max_autotune (slow).
+- `flash`: FlashAttention 2's varlen kernels over segment-copied keys (drafter_trainer.block_flash),
+  segments of `--segment-rows` queries; `flash:A` and `flash:B` time one of its parts alone.
 
 Each variant's output on the first chunk is compared with the split path's. Needs the fixtures
 of `gpu_bench.py env`. Prints one JSON line per variant and writes $OUT/attn_sweep.json:
 
-    python -m bench.gpu.attn_sweep --batches 1 --variants flex,flex-range,flex-seg,split
+    python -m bench.gpu.attn_sweep --batches 1 --variants split,flash,fa4
 """
 from __future__ import annotations
 
@@ -52,84 +48,44 @@ def chunk_layouts(manifest: dict[str, Any], device: torch.device, batches: int, 
     return out, config
 
 
-def range_mask_mod(lo: torch.Tensor, hi: torch.Tensor, own: torch.Tensor, block: int) -> Callable[..., torch.Tensor]:
-    """Query q (block n = q // block) sees keys [lo[n], hi[n]) and [own[n], own[n] + block)."""
-    def mask_mod(b: Any, h: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        n = q // block
-        return ((kv >= lo[n]) & (kv < hi[n])) | ((kv >= own[n]) & (kv < own[n] + block))
-    return mask_mod
-
-
-def block_ranges(layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per block: its visible context [lo, hi) (document start to its anchor) and its own keys' start."""
-    blocks = layout.blocks
-    n, b, t = blocks.num_blocks, blocks.block_size, layout.num_context
-    doc_start = torch.searchsorted(blocks.context_doc, blocks.anchor_doc.clamp_min(0))
-    lo = torch.where(blocks.valid, doc_start, 0)
-    hi = torch.where(blocks.valid, blocks.anchors, 0)
-    own = t + torch.arange(n, device=lo.device) * b
-    return lo, hi, own
-
-
-def segment_gather(layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Key index of the segment-copied layout ([segment's context ; segment's block keys] per
-    segment) into the model's [context ; all block keys], and the per-block ranges in it."""
-    b, t = layout.block_size, layout.num_context
-    device = layout.query_pos.device
-    index, lo, hi, own = [], [], [], []
-    anchors = layout.blocks.anchors.tolist()
-    off = 0
-    for q0, q1, k0, k1 in layout.segments:
-        index += [torch.arange(k0, k1, device=device), torch.arange(t + q0, t + q1, device=device)]
-        for n in range(q0 // b, q1 // b):
-            real = k1 > k0
-            lo.append(off)
-            hi.append(off + (anchors[n] - k0 if real else 0))
-            own.append(off + (k1 - k0) + n * b - q0)
-        off += (k1 - k0) + (q1 - q0)
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    return torch.cat(index), as_t(lo), as_t(hi), as_t(own)
-
-
-def make_variants(names: list[str], options: list[str], layouts: list[Any], block: int,
-                  device: torch.device) -> list[tuple[str, Callable]]:
+def make_variants(names: list[str], layouts: list[Any], block: int) -> list[tuple[str, Callable]]:
     """(name, attend) pairs: attend(i, q, k, v) runs chunk i's attention on q [1, h, Q, d], k/v [1, h_kv, K, d]."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from drafter_trainer.block_flash import (FlashPlan, block_flash_attention, fold_queries, group_major, plan_of_blocks,
+                                             unfold_queries)
+    from drafter_trainer.block_mask import block_mask_of_blocks, masked_attention
+    from drafter_trainer.model import split_attention
 
-    from drafter_trainer.model import FLEX_KERNEL_OPTIONS, split_attention
+    def folded(attend: Callable) -> Callable:
+        """attend(i, folded q [L*g, h_kv, d], k [K, h_kv, d], v) as a [1, h, L, d] attention: heads
+        reordered group-major and folded (the model gets group-major heads from its reordered q_proj
+        weight: these reorders are the sweep's own copies)."""
+        def run(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            h, length, d = q.shape[1:]
+            h_kv = k.shape[1]
+            g = h // h_kv
+            rows = fold_queries(group_major(q[0].transpose(0, 1).flatten(1), h_kv, g, dim=1).view(length, h, d), g)
+            out = attend(i, g, rows, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous())
+            return group_major(unfold_queries(out, g), g, h_kv, dim=1).view(length, h, d).transpose(0, 1)[None]
+        return run
 
-    # compiled flex has no CPU backward: the CPU smoke run takes it eager, as the model's CPU tests do
-    flex = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
-    out: list[tuple[str, Callable]] = []
-    cache: dict[str, list[Any]] = {}
+    plans: dict[int, Any] = {}
 
-    def masks(kind: str) -> list[Any]:
-        if kind not in cache:
-            built = []
-            for lay in layouts:
-                if kind == "model":
-                    built.append(lay.flex_mask(None))
-                elif kind == "range":
-                    mod = range_mask_mod(*block_ranges(lay), block)
-                    built.append(create_block_mask(mod, None, None, lay.num_queries, lay.num_keys,
-                                                   device=lay.query_pos.device))
-                else:
-                    index, lo, hi, own = segment_gather(lay)
-                    mask = create_block_mask(range_mask_mod(lo, hi, own, block), None, None, lay.num_queries,
-                                             int(index.numel()), device=lay.query_pos.device)
-                    built.append((index, mask))
-            cache[kind] = built
-        return cache[kind]
+    def flash_of(parts: slice) -> Callable:
+        def flash(i: int, g: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if i not in plans:
+                plans[i] = plan_of_blocks(layouts[i].blocks, max(1, layouts[i].segment_rows // block), g)
+            plan = plans[i] if parts == slice(None) else FlashPlan(plans[i].parts[parts])
+            return block_flash_attention(q, k, v, plan)
+        return folded(flash)
 
-    def flex_with(kind: str, fn: Any, opts: dict[str, Any]) -> Callable:
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if kind == "seg":
-                index, mask = masks(kind)[i]
-                k, v = k.index_select(2, index), v.index_select(2, index)
-            else:
-                mask = masks(kind)[i]
-            return fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
-        return attend
+    masks: dict[int, Any] = {}
+
+    def masked(fa4: bool) -> Callable:
+        def attend(i: int, g: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if i not in masks:
+                masks[i] = block_mask_of_blocks(layouts[i].blocks, g, None, static=True)
+            return masked_attention(q, k, v, masks[i], fa4)
+        return folded(attend)
 
     split_masks: dict[int, list[torch.Tensor]] = {}
 
@@ -138,47 +94,18 @@ def make_variants(names: list[str], options: list[str], layouts: list[Any], bloc
             split_masks[i] = layouts[i].split_masks(None)
         return split_masks[i]
 
-    from drafter_trainer.block_flash import (FlashPlan, block_flash_attention, fold_queries, group_major, plan_of_blocks,
-                                             unfold_queries)
-
-    plans: dict[int, Any] = {}
-
-    def flash_of(parts: slice) -> Callable:
-        def flash(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            g = q.shape[1] // k.shape[1]
-            if i not in plans:
-                plans[i] = plan_of_blocks(layouts[i].blocks, max(1, layouts[i].segment_rows // block), g)
-            plan = plans[i] if parts == slice(None) else FlashPlan(plans[i].parts[parts])
-            # [1, h, L, d] -> [L, h, d], heads group-major and folded (the model gets group-major
-            # heads from its reordered q_proj weight: these reorders are the sweep's own copies)
-            h, length, d = q.shape[1:]
-            h_kv = k.shape[1]
-            folded = fold_queries(group_major(q[0].transpose(0, 1).flatten(1), h_kv, g, dim=1).view(length, h, d), g)
-            out = block_flash_attention(folded, k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(),
-                                        plan)
-            return group_major(unfold_queries(out, g), g, h_kv, dim=1).view(length, h, d).transpose(0, 1)[None]
-        return flash
-
+    out: list[tuple[str, Callable]] = []
     for name in names:
         if name == "flash":
             out.append((name, flash_of(slice(None))))
         elif name in ("flash:A", "flash:B"):     # one part alone: its cost (the output is not the attention)
             out.append((name, flash_of(slice(0, 1) if name == "flash:A" else slice(-1, None))))
-        elif name == "flex":
-            out.append((name, flex_with("model", flex, FLEX_KERNEL_OPTIONS)))
-        elif name == "flex-range":
-            out.append((name, flex_with("range", flex, FLEX_KERNEL_OPTIONS)))
-        elif name == "flex-seg":
-            out.append((name, flex_with("seg", flex, FLEX_KERNEL_OPTIONS)))
+        elif name in ("flex", "fa4"):
+            out.append((name, masked(name == "fa4")))
         elif name == "split":
             out.append((name, lambda i, q, k, v: split_attention(q, k, v, layouts[i].segments, split_of(i), block)))
-        elif name == "autotune":
-            tuned = torch.compile(flex_attention, dynamic=True, options={"max_autotune": True})
-            out.append((name, flex_with("model", tuned, FLEX_KERNEL_OPTIONS)))
         else:
             raise SystemExit(f"unknown variant {name!r}")
-    for o in options:
-        out.append((f"opts:{o}", flex_with("model", flex, {**FLEX_KERNEL_OPTIONS, **json.loads(o)})))
     return out
 
 
@@ -240,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=os.environ.get("DFPIPE_BENCH_WORKDIR", "/tmp/dfpipe-gpu-bench"))
     p.add_argument("--batches", type=int, default=1)
     p.add_argument("--blocks-per-chunk", type=int, default=512)
-    p.add_argument("--segment-rows", type=int, default=1024, help="flex-seg and the split paths")
+    p.add_argument("--segment-rows", type=int, default=1024, help="the split and flash paths")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--data-dir", default="", help="another prepared dataset (the long part's long-data) in place of the fixtures'")
     p.add_argument("--token-budget", type=int, default=0, help="with --data-dir: its batches' token budget")
@@ -249,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on the --quick fixtures")
     p.add_argument("--variants", default="split,flex,flash")
-    p.add_argument("--options", action="append", default=[], help="a JSON kernel_options object (repeatable)")
     p.add_argument("--profile", type=int, default=0, help="CUDA: the top N kernels of one pass per variant")
     p.add_argument("--forward-only", action="store_true", help="the CPU smoke run (flex has no CPU backward)")
     a = p.parse_args(argv)
@@ -277,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted(names, key=lambda n: n != "split")
     results: dict[str, Any] = {}
     reference = None
-    for name, attend in make_variants(names, a.options, layouts, a.block, device):
+    for name, attend in make_variants(names, layouts, a.block):
         try:
             r = time_variant(attend, layouts, config, device, a.repeats, reference, not a.forward_only, a.profile)
             first = r.pop("_first")

@@ -73,7 +73,7 @@ FULL: dict[str, Any] = dict(
     p2_diagnostics=0,      # p23: after P2, the worker without audit / polling consumer / blocking inputs (0: none)
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
-    p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
+    p5d_baseline_attn="flash",   # p5d, long: also step with this attention path where the headline's differs (an A/B in one run)
     p5d_precision="",   # p5d: the headline's drafter.precision ("": the trainer's default, resolved on this device)
     p5d_other_precision="fp8",   # p5d (P5f): also step this precision on the same batches ("": none; skipped without FP8 tensor cores)
     # long (issue 33): documents of long_doc tokens at a budget of long_budget (configs/gpu-long.yaml),
@@ -95,7 +95,7 @@ QUICK: dict[str, Any] = dict(
 )
 TEST_FILES = ("tests/test_target_packing.py", "tests/test_target_capture.py", "tests/test_fp8_target.py",
               "tests/test_ring.py", "tests/test_drafter_model.py", "tests/test_drafter_compile.py", "tests/test_optim.py",
-              "tests/test_step_syncs.py")
+              "tests/test_step_syncs.py", "tests/test_block_flash.py", "tests/test_block_mask.py")
 GPU_TEST_FILTER = "gpu or cuda"   # test names and the gpu marker (substring match: not "fla", which matches "dflash")
 EXPECTED_SKIPS = ("checks the behaviour without CUDA",   # test_ring's CPU-only check, skipped on a GPU host
                   "two CUDA ranks need two GPUs")          # test_e2e_trainer's two ranks, on a one-GPU host
@@ -524,7 +524,7 @@ def part_p5d(ctx: Ctx) -> str:
     if ctx.cuda and a.p5_profile:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
-    if a.p5d_baseline_attn:
+    if baseline_differs(rig, a):
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
@@ -547,6 +547,15 @@ def part_p5d(ctx: Ctx) -> str:
                       precision=rig.model.precision)
     print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
     return "measured"
+
+
+def baseline_differs(rig: Any, a: argparse.Namespace) -> bool:
+    """Whether --p5d-baseline-attn is a path other than the headline's, one that runs here."""
+    from drafter_trainer.model import resolve_attention
+
+    if not a.p5d_baseline_attn or not rig.cuda:
+        return False
+    return resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim) != rig.model.attn_impl
 
 
 def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
@@ -842,11 +851,28 @@ def part_long(ctx: Ctx) -> str:
                 rig.model.precision = headline_precision
             numbers["other_precision"] = {k: v for k, v in theirs.items() if k != "step_s_all"}
             print("other precision", json.dumps(numbers["other_precision"]), flush=True)
-        if ctx.cuda and a.p5_profile:   # where a long document's step spends its time
+        def profile() -> dict[str, Any]:   # where a long document's step spends its time
             t0 = time.perf_counter()
-            numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=2 * a.p5_profile)
-            numbers["profile"]["wall_ms"] = (time.perf_counter() - t0) * 1e3
-            print("profile", json.dumps(numbers["profile"]), flush=True)
+            kernels = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=2 * a.p5_profile)
+            kernels["wall_ms"] = (time.perf_counter() - t0) * 1e3
+            print("profile", rig.model.attn_impl, json.dumps(kernels), flush=True)
+            return kernels
+
+        if ctx.cuda and a.p5_profile:
+            numbers["profile"] = profile()
+        if baseline_differs(rig, a):     # the same batches on the baseline attention path (FA2)
+            headline_impl = rig.model.attn_impl
+            rig.model.attn_impl = resolve_attention(a.p5d_baseline_attn, dev.type, rig.config.head_dim)
+            try:
+                base = timed_step(rig.model.precision)
+                base["attn"] = rig.model.attn_impl
+                base["headline_speedup"] = numbers["tok_s"] / base["tok_s"]
+                if a.p5_profile:
+                    base["profile"] = profile()
+            finally:
+                rig.model.attn_impl = headline_impl
+            numbers["baseline"] = {k: v for k, v in base.items() if k != "step_s_all"}
+            print("baseline", json.dumps({k: v for k, v in numbers["baseline"].items() if k != "profile"}), flush=True)
         p5d = ctx.store.read()["parts"].get("p5d", {}).get("figures", {})
         if p5d.get("drafter_gflop_per_token"):     # the chat-length figure of this run, beside it
             numbers["p5d_gflop_per_token"] = p5d["drafter_gflop_per_token"]
@@ -1167,6 +1193,23 @@ def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> 
         ctx.store.figures("p23", first_pass=out)
 
 
+# A card that holds the co-located target (16.4 GB at the proxy) and a trainer with the default
+# chunk (62.8 GB on the H100, where it ran out of memory) needs this much: smaller cards step the
+# services part's trainer in half-size chunks (peak memory grows with the chunk; P6d is a ratio of
+# rates measured on the same chunk's step, p5d's, so it stays comparable).
+SERVICES_FULL_CHUNK_GB = 100
+
+
+def services_chunk(ctx: Ctx) -> int:
+    """drafter.blocks_per_chunk for the services part: 0 (auto) on a card of at least
+    SERVICES_FULL_CHUNK_GB, else half the auto chunk."""
+    from drafter_trainer.loss import auto_blocks_per_chunk
+
+    if not ctx.cuda or torch.cuda.get_device_properties(ctx.device).total_memory >= SERVICES_FULL_CHUNK_GB * 1e9:
+        return 0
+    return auto_blocks_per_chunk(ctx.args.block) // 2
+
+
 def part_services(ctx: Ctx) -> str:
     from bench.gpu.services import ServicePlan, run_services
 
@@ -1178,8 +1221,8 @@ def part_services(ctx: Ctx) -> str:
                        audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
                        cold_triton=a.cold_triton, step_timeout_s=a.step_timeout,
                        attn=a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get(
-                           "best_attn") or "auto")
-    figures: dict[str, Any] = {}
+                           "best_attn") or "auto", blocks_per_chunk=services_chunk(ctx))
+    figures: dict[str, Any] = {"blocks_per_chunk": plan.blocks_per_chunk}
     error = None
     try:
         run_services(plan, a.part_budget, figures)

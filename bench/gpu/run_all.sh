@@ -59,7 +59,7 @@ trap cleanup_children EXIT
     log "installing .whl/*.whl into /tmp/site"
     $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
       || log "wheel install FAILED (parts needing them will say so)"
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}   # keeps a caller's (FA4 installed apart)
   else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   fi

@@ -62,6 +62,7 @@ class ServicePlan:
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
     step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
+    blocks_per_chunk: int = 0    # drafter.blocks_per_chunk (0: auto); part_services sizes it to the card
     target_devices: list[str] | None = None    # placement; None: [device]
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
@@ -78,7 +79,7 @@ def write_config(plan: ServicePlan) -> str:
                    "warmup": True, "audit_every": plan.audit_every},
         "drafter": {"num_layers": plan.drafter_layers, "block_size": plan.block,
                     "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.anchors,
-                    "loss_chunk": plan.loss_chunk, "attn": plan.attn},
+                    "loss_chunk": plan.loss_chunk, "attn": plan.attn, "blocks_per_chunk": plan.blocks_per_chunk},
         # no periodic checkpoint (a 27B-wide drafter's state is ~20 GB), one metrics record per step
         "train": {"out_dir": os.path.join(plan.workdir, "run-unused"), "epochs": 3, "checkpoint_every": 10 ** 9,
                   "log_every": 1, "tensorboard": False, "device": plan.device,
