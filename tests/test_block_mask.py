@@ -203,7 +203,7 @@ def test_a_cuda_training_step_on_fa4_has_flash_attention_2s_loss_and_gradients()
     from test_drafter_model import make_model, tiny_config
 
     dev = torch.device("cuda")
-    cfg = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=64, block_size=16)
+    cfg = tiny_config(num_attention_heads=6, num_key_value_heads=2, head_dim=256, block_size=16)   # the 27B head
     batch = make_batch([700, 90, 400], k=3)
     batch = batch.to(dev)
     anchors = torch.tensor([3, 40, 41, 300, 650, 690, 705, 760, 800, 1000, 1150]).to(dev)
