@@ -29,8 +29,9 @@ gradients). Two of its conditions shape this module:
 - The mask captures tensors of a fixed size, marked static (`static=True`): a captured tensor of a
   symbolic size brings its size symbol into the mask's graph, which the FLASH lowering refuses
   under a dynamic-shape compile ("NYI: score_mod or mask_mod captures a dynamic scalar"). So the
-  ranges are padded to a power of two of rows (empty ranges): a layer compiled with dynamic shapes
-  then compiles again only when a chunk's rows pass the next power of two, never per batch.
+  ranges are padded (empty ranges) to MIN_STATIC_ROWS or the next power of two of rows: a layer
+  compiled with dynamic shapes compiles once for every chunk up to the default size and again
+  only for a chunk past it, never per batch.
 `flex` runs the same call on flex's Triton kernels (any CUDA GPU; eager on the CPU, forward only).
 """
 from __future__ import annotations
@@ -45,6 +46,10 @@ import torch
 from drafter_trainer.blocks import BlockBatch
 
 Q_TILE, KV_TILE = 128, 64          # the block mask's tiles (KV: FA4's SM90 tile at head size 256)
+# The static ranges' least capacity: every chunk up to it shares one compiled graph (the default
+# chunk, 768 blocks of 16 with 6 query heads a key head, is 73,728 rows; 2 MB of ranges). Each
+# capacity is a graph of its own, and dynamo runs a layer eager after 8.
+MIN_STATIC_ROWS = 1 << 17
 # A chunk of under 128 queries (a batch's last, a test's) would otherwise take inductor's
 # flex-decoding kernel, meant for a few queries over a long cache: on the H200 it found no kernel
 # configuration for head size 16 and failed to compile. Block queries are never decoding.
@@ -124,7 +129,7 @@ def block_mask_of(ranges: torch.Tensor, num_keys: int, static: bool = False) -> 
     partial = (touched > 0) & ~full
     captured = ranges
     if static:
-        captured = torch.zeros(4, max(Q_TILE, 1 << (rows - 1).bit_length()), dtype=ranges.dtype,
+        captured = torch.zeros(4, max(MIN_STATIC_ROWS, 1 << (rows - 1).bit_length()), dtype=ranges.dtype,
                                device=ranges.device)
         captured[:, :rows] = ranges
     # four tensors of their own: the FLASH lowering indexes a captured tensor from its start

@@ -73,7 +73,8 @@ FULL: dict[str, Any] = dict(
     p2_diagnostics=0,      # p23: after P2, the worker without audit / polling consumer / blocking inputs (0: none)
     e2e_tests="",   # tests part: also these end-to-end tests (pytest -k) with the services on CUDA
     layer_compile_options="",   # p5d: a JSON object of inductor options added to the drafter layers' (experiments)
-    p5d_baseline_attn="flash",   # p5d, long: also step with this attention path where the headline's differs (an A/B in one run)
+    p5d_baseline_attn="",   # p5d: also step the headline chunk size with this attention path (an A/B in one run)
+    long_baseline_attn="flash",   # long: also step with this attention path where the headline's differs (an A/B in one run)
     p5d_precision="",   # p5d: the headline's drafter.precision ("": the trainer's default, resolved on this device)
     p5d_other_precision="fp8",   # p5d (P5f): also step this precision on the same batches ("": none; skipped without FP8 tensor cores)
     # long (issue 33): documents of long_doc tokens at a budget of long_budget (configs/gpu-long.yaml),
@@ -524,10 +525,15 @@ def part_p5d(ctx: Ctx) -> str:
     if ctx.cuda and a.p5_profile:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
-    if baseline_differs(rig, a):
+    if baseline_differs(rig, a.p5d_baseline_attn):
         numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
+    # the rates later parts price with (P6d, P7), kept even if P5f below runs out of time
+    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
+                      drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
+                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best,
+                      precision=rig.model.precision)
     other = a.p5d_other_precision
     if other == "fp8" and not (ctx.cuda and fp8_supported(dev.index or 0)):
         ctx.store.benchmark("P5f", {}, {"not_measured": "no FP8 tensor cores here (compute capability < 8.9)"})
@@ -541,21 +547,17 @@ def part_p5d(ctx: Ctx) -> str:
                                     "grad_cosine_min": p5f["grad_cosine"]["min"]},
                             {**p5f, "fp8_mfu": fp8["mfu"], "bf16_mfu": bf16["mfu"], "fp8_tok_s": fp8["tok_s"],
                              "bf16_tok_s": bf16["tok_s"]})
-    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
-                      drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
-                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best,
-                      precision=rig.model.precision)
     print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
     return "measured"
 
 
-def baseline_differs(rig: Any, a: argparse.Namespace) -> bool:
-    """Whether --p5d-baseline-attn is a path other than the headline's, one that runs here."""
+def baseline_differs(rig: Any, baseline_attn: str) -> bool:
+    """Whether `baseline_attn` is a path other than the headline's, one that runs here."""
     from drafter_trainer.model import resolve_attention
 
-    if not a.p5d_baseline_attn or not rig.cuda:
+    if not baseline_attn or not rig.cuda:
         return False
-    return resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim) != rig.model.attn_impl
+    return resolve_attention(baseline_attn, rig.device.type, rig.config.head_dim) != rig.model.attn_impl
 
 
 def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
@@ -860,9 +862,9 @@ def part_long(ctx: Ctx) -> str:
 
         if ctx.cuda and a.p5_profile:
             numbers["profile"] = profile()
-        if baseline_differs(rig, a):     # the same batches on the baseline attention path (FA2)
+        if baseline_differs(rig, a.long_baseline_attn):     # the same batches on the baseline path (FA2)
             headline_impl = rig.model.attn_impl
-            rig.model.attn_impl = resolve_attention(a.p5d_baseline_attn, dev.type, rig.config.head_dim)
+            rig.model.attn_impl = resolve_attention(a.long_baseline_attn, dev.type, rig.config.head_dim)
             try:
                 base = timed_step(rig.model.precision)
                 base["attn"] = rig.model.attn_impl
@@ -1658,6 +1660,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         # small ops of the torch GDN path run ~3x slower with 2 OpenMP threads than with 1 (docs/benchmarks.md)
         torch.set_num_threads(1)
+    else:
+        import torch._dynamo
+
+        # a part steps one model on several attention paths and precisions (its A/Bs), each with
+        # graphs of its own: past dynamo's default of 8 a layer would quietly run eager
+        torch._dynamo.config.recompile_limit = 64
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else args.workdir
     ctx = Ctx(args=args, store=store, device=device, workdir=args.workdir, shm_dir=shm)
     store.update(lambda d: d["meta"].update(quick=args.quick, device=str(device), workdir=args.workdir,
