@@ -920,6 +920,31 @@ class TrainerState:
                    rng=state.get("rng", {}).get("torch"), drafter_config=state.get("drafter_config", {}),
                    split_fc=state.get("split_fc", False), target_precision=meta.get("target_precision", ""))
 
+    def check_fits(self, model: torch.nn.Module, path: str) -> None:
+        """ConfigError (exit status 2, one line) unless the checkpoint's weights are the shapes of
+        `model`'s: a resume under another drafter depth or width (drafter.num_layers,
+        intermediate_size, heads...) would fail deep in load_state_dict or the optimizer."""
+        # what a checkpoint holds: the trainable weights (the frozen target head is the target's)
+        mine = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+        theirs = {name: tuple(t.shape) for name, t in self.model.items()}
+        differ = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+        if not differ:
+            return
+        from common.config import ConfigError
+
+        def shape(weights: dict[str, tuple[int, ...]]) -> str:
+            layers = {int(m[1]) for n in weights if (m := re.search(r"layers\.(\d+)\.", n))}
+            width = next((s[-1] for n, s in sorted(weights.items()) if n.endswith("norm.weight")), "?")
+            return f"{len(layers)} layers, width {width}"
+
+        where = differ[0]
+        raise ConfigError(
+            f"drafter: the checkpoint {path} holds a drafter of {shape(theirs)}, this config builds one of "
+            f"{shape(mine)} ({where}: {theirs.get(where, 'absent')} in the checkpoint, {mine.get(where, 'absent')} "
+            f"here): "
+            f"keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
+            f"afresh (`dfpipe demo --fresh`, or move {os.path.dirname(path)} away)")
+
     def restore_weights(self, model: torch.nn.Module) -> None:
         """The checkpoint's trainable weights into `model` (its frozen target head stays), and its RNG."""
         result = model.load_state_dict(self.model, strict=False)

@@ -116,6 +116,11 @@ class DataError(ValueError):
     """A prepared folder or a prepare-data input that cannot be used; the message says which file and why."""
 
 
+class TooManyBadRows(DataError):
+    """More of a source's rows are bad than data.max_bad_share allows: a file mostly bad is the wrong
+    file or a broken export, and training on its few good rows would hide that."""
+
+
 # ----------------------------------------------------------------------------------------------
 # The report
 
@@ -160,6 +165,26 @@ class PrepareReport:
             shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
             parts.append(f"  {len(lines)} x {kind} (line {shown})")
         return "\n".join(parts)
+
+    def bad_share(self) -> float:
+        return len(self.bad) / self.rows if self.rows else 0.0
+
+    def first_reasons(self, count: int = 3) -> str:
+        return "; ".join(f"line {line}: {reason}" for line, reason in self.bad[:count])
+
+    def check_bad_share(self, source: str, max_bad_share: float) -> str | None:
+        """TooManyBadRows when the share of bad rows exceeds `max_bad_share`; else the one warning
+        line to show when some rows are bad (None: none is)."""
+        if not self.bad:
+            return None
+        share = f"{len(self.bad)} of {self.rows} rows ({self.bad_share():.1%})"
+        if self.bad_share() > max_bad_share:
+            raise TooManyBadRows(
+                f"{source}: {share} are bad, more than data.max_bad_share {max_bad_share:g} allows "
+                f"(first: {self.first_reasons()}). Fix the file, or allow it with data.max_bad_share: 1 "
+                f"(prepare-data --max-bad-share 1) to train on the {self.kept} good rows")
+        return f"{source}: {share} are bad and skipped (data.max_bad_share {max_bad_share:g}); first: " \
+               f"{self.first_reasons(1)}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -769,6 +794,27 @@ def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_
     return out
 
 
+def _encode_rows(tokenizer: Any, pending: list[tuple[int, list[View] | str]], keep: int | None
+                 ) -> list[tuple[int, list[View] | str, list[_Encoded] | str]]:
+    """(line, views, their encodings or the reason the row has none) of rendered rows, tokenized in
+    one batch. When the batch raises, each row is tokenized alone: the exception a row's own text
+    raises in the tokenizer (a lone surrogate: `TypeError: TextEncodeInput must be ...`, a codec
+    error) makes that row a bad row, its line and the exception its reason; the others are kept."""
+    views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
+    try:
+        encoded = iter(_encode_views(tokenizer, views_to_encode, keep))
+        return [(line, views, views if isinstance(views, str) else [next(encoded) for _ in views])
+                for line, views in pending]
+    except Exception:   # noqa: BLE001: one row's content; which one is found below
+        if len(pending) == 1 and not isinstance(pending[0][1], str):
+            line, views = pending[0]
+            try:
+                return [(line, views, _encode_views(tokenizer, views, keep))]
+            except Exception as e:   # this row's own text: a bad row, not the file's end
+                return [(line, views, f"tokenizer error: {type(e).__name__}: {str(e)[:200]}")]
+        return [row for one in pending for row in _encode_rows(tokenizer, [one], keep)]
+
+
 def _documents(views: list[_Encoded], max_len: int, overlong: str, report: PrepareReport
                ) -> list[tuple[np.ndarray, np.ndarray]] | str:
     """The documents one row's encoded views become under the overlong policy, or the reason it becomes none."""
@@ -827,7 +873,8 @@ def _publish(tmp: str, out_dir: str) -> None:
 
 def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes) -> PrepareReport:
+                 row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes,
+                 max_bad_share: float = DataConfig.max_bad_share) -> PrepareReport:
     """Tokenize a chat JSONL or Parquet file into a prepared folder (input formats and layout in the
     module docstring).
 
@@ -835,7 +882,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     chat_template_kwargs: variables it reads (e.g. {"enable_thinking": False}); row_format: auto
     (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt;
     max_row_bytes: a larger row (JSONL line, Parquet row) is a bad row, never parsed.
-    Bad rows are counted and listed, never fatal; a missing input, an unusable tokenizer or
+    Bad rows are counted and listed, fatal only above max_bad_share of the rows (TooManyBadRows,
+    nothing written); a missing input, an unusable tokenizer or
     template, bad arguments or a source without one usable row raise DataError.
     """
     if overlong not in OVERLONG_POLICIES:
@@ -846,6 +894,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
     if max_row_bytes < 1:
         raise DataError(f"max_row_bytes must be at least 1, got {max_row_bytes}")
+    if not 0 <= max_bad_share <= 1:
+        raise DataError(f"max_bad_share must be a share of the rows, 0 to 1, got {max_bad_share}")
     if not os.path.isfile(source_path):
         raise DataError(f"input file not found: {source_path}")
     out_dir = os.path.normpath(out_dir)
@@ -867,11 +917,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     def flush(pending: list[tuple[int, list[View] | str]]) -> None:
         nonlocal max_token_id
-        views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
-        encoded = iter(_encode_views(tokenizer, views_to_encode, keep))
-        for line, views in pending:
-            docs = views if isinstance(views, str) else _documents([next(encoded) for _ in views], max_len,
-                                                                   overlong, report)
+        for line, views, encoded in _encode_rows(tokenizer, pending, keep):
+            docs = encoded if isinstance(encoded, str) else _documents(encoded, max_len, overlong, report)
             if isinstance(docs, str):
                 report.bad.append((line, docs))
                 continue
@@ -916,6 +963,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         flush(pending)
         if report.kept == 0:
             raise DataError(no_usable_rows(source_path, report))
+        report.check_bad_share(source_path, max_bad_share)
         for w in writers.values():
             w.finish()
         np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=ARRAYS["offsets"]))
@@ -1064,7 +1112,10 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     d = cfg.data
     tokenizer_dir = _tokenizer_for(cfg, source)
     template = template_setting(cfg)
-    template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
+    try:
+        template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
+    except DataError as e:   # a setting that names no file: a restart meets the same (exit status 2)
+        raise ConfigError(f"data.chat_template: {e}") from None
     inputs = [FORMAT_VERSION, file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
               hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs, d.max_row_bytes]
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
@@ -1076,11 +1127,14 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
         except DataError as e:
             log.warning("prepared cache %s unusable (%s); preparing again", out_dir, e)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
-                          d.format, d.max_row_bytes)
+    try:
+        report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
+                              d.format, d.max_row_bytes, d.max_bad_share)
+    except TooManyBadRows as e:   # the file, not this host: a restart meets the same rows (exit status 2)
+        raise ConfigError(f"data.{source}: {e}") from None
     log.info("prepared %s -> %s\n%s", path, out_dir, report.summary())
-    if report.bad:
-        log.warning("%d bad rows in %s, listed in %s", len(report.bad), path, os.path.join(out_dir, "bad_rows.jsonl"))
+    if warning := report.check_bad_share(path, d.max_bad_share):
+        log.warning("%s; all listed in %s", warning, os.path.join(out_dir, "bad_rows.jsonl"))
     return PreparedDataset.open(out_dir)
 
 
@@ -1103,6 +1157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-row-bytes", type=int, default=None,
                         help="a larger row (JSONL line, Parquet row) is a bad row, never parsed "
                              "(default data.max_row_bytes)")
+    parser.add_argument("--max-bad-share", type=float, default=None, metavar="SHARE",
+                        help="stop (exit status 2) when more than this share of the rows is bad; 1 allows any "
+                             "(default data.max_bad_share)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template, a file or inline text; any template works, generation markers "
                              "are not needed (default data.chat_template, else the tokenizer's own)")
@@ -1114,6 +1171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, cfg: Config) -> int:
     """Prepare args.input into args.out; 0, or 2 with the reason on stderr."""
     d = cfg.data
+    max_bad_share = d.max_bad_share if args.max_bad_share is None else args.max_bad_share
     try:
         kwargs = d.chat_template_kwargs
         if args.chat_template_kwargs is not None:
@@ -1132,11 +1190,14 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
                               d.max_len if args.max_len is None else args.max_len, args.overlong or d.overlong,
                               template_setting(cfg) if args.chat_template is None else args.chat_template,
                               kwargs, args.format or d.format,
-                              d.max_row_bytes if args.max_row_bytes is None else args.max_row_bytes)
+                              d.max_row_bytes if args.max_row_bytes is None else args.max_row_bytes,
+                              max_bad_share)
     except DataError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
     print(report.summary())
+    if warning := report.check_bad_share(args.input, max_bad_share):
+        print(f"prepare-data: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} (bad rows listed in {os.path.join(args.out, 'bad_rows.jsonl')})")
     return 0
 
