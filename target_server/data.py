@@ -1123,9 +1123,18 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     out_dir = os.path.join(cfg.resolve(cfg.target.cache_dir), "data", f"{name}-{key}")
     if os.path.isfile(os.path.join(out_dir, "meta.json")):
         try:
-            return PreparedDataset.open(out_dir)
+            cached = PreparedDataset.open(out_dir)
         except DataError as e:
             log.warning("prepared cache %s unusable (%s); preparing again", out_dir, e)
+        else:   # prepared under another data.max_bad_share (not in the key: it changes no token)
+            r = cached.meta.get("report") or {}
+            earlier = PrepareReport(rows=r.get("rows", 0), kept=r.get("kept", 0),
+                                    bad=[(int(b[0]), str(b[1])) for b in r.get("bad", [])])
+            try:
+                earlier.check_bad_share(path, d.max_bad_share)
+            except TooManyBadRows as e:
+                raise ConfigError(f"data.{source}: {e}") from None
+            return cached
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     try:
         report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
