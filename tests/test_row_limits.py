@@ -101,7 +101,8 @@ def test_a_file_of_bad_rows_only_exits_2_naming_each_rows_reason(tmp_path, capsy
                                     f"  line 1: number with more than {sys.get_int_max_str_digits()} digits",
                                     f"  line 2: {DEEP}",
                                     f"  line 3: larger than max_row_bytes: {len(HUGE)} > {LIMIT} bytes"]
-    rc, out, _ = _prepare_cli(src, str(tmp_path / "p"), capsys, "--max-row-bytes", str(2 * LIMIT))  # the flag decides
+    rc, out, _ = _prepare_cli(src, str(tmp_path / "p"), capsys, "--max-row-bytes", str(2 * LIMIT),  # the flag decides
+                              "--max-bad-share", "1")   # 2 of 3 rows bad: allowed
     assert rc == 0 and out.startswith("3 rows: 1 kept")
 
 
@@ -236,7 +237,8 @@ def test_prepare_data_cut_and_uncut_write_the_same_folder(tmp_path, monkeypatch,
     reports = {}
     for name, chars_per_token in (("uncut", 10**9), ("cut", 1)):
         monkeypatch.setattr(data, "_CHARS_PER_TOKEN", chars_per_token)
-        reports[name] = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / name), max_len=48, overlong=overlong)
+        reports[name] = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / name), max_len=48, overlong=overlong,
+                                     max_bad_share=1.0)   # under skip most rows are too long, on purpose
     uncut, cut = _arrays(tmp_path / "uncut"), _arrays(tmp_path / "cut")
     for name in uncut:
         assert np.array_equal(uncut[name], cut[name]), name
