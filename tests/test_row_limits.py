@@ -154,6 +154,9 @@ class _Spy:
         self.longest = max(self.longest, *map(len, texts))
         return self.tokenizer(texts, **kwargs)
 
+    def __getattr__(self, name: str):   # added_tokens_decoder...: the tokenizer's own
+        return getattr(self.tokenizer, name)
+
 
 def _views(tokenizer) -> list:
     renderer = data._Renderer(tokenizer, tokenizer.chat_template, {}, tuple(data._special_tokens(tokenizer)))
@@ -301,7 +304,6 @@ def test_a_single_word_row_under_the_cap_keeps_exactly_the_uncut_tokens_and_over
         (whole,) = data._encode_views(tok, [view], None)
         assert len(whole.ids) > keep            # the cut falls inside the word, and must grow to its end
         spy = _Spy(tok)
-        spy.added_tokens_decoder = tok.added_tokens_decoder
         (cut,) = data._encode_views(spy, [view], keep, cap=len(view[0]))
         n = len(whole.ids) if cut.whole else keep     # the word ends the view: proven only at its end
         assert cut.ids.tolist() == whole.ids[:n].tolist() and cut.mask.tolist() == whole.mask[:n].tolist()
@@ -309,7 +311,6 @@ def test_a_single_word_row_under_the_cap_keeps_exactly_the_uncut_tokens_and_over
         # A cap below the word's length: a bad row, and the tokenizer never saw much more than the cap.
         cap = len(word) // 4
         spy = _Spy(tok)
-        spy.added_tokens_decoder = tok.added_tokens_decoder
         with pytest.raises(data._WordTooLong, match="word too long"):
             data._encode_views(spy, [view], keep, cap=cap)
         assert spy.longest <= max(keep * data._CHARS_PER_TOKEN, len(view[0]) - len(word) + 2 * cap)
