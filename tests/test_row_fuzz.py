@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 from target_server import toy_corpus
@@ -87,12 +88,15 @@ def test_the_target_server_s_own_preparation_keeps_bad_rows_listed_and_stops_on_
     good = [json.dumps(s) for s in toy_corpus.generate(3, seed=6)]
     src = _write_lines(tmp_path / "chat.jsonl", good + [SURROGATE])
 
-    def config(share: float):
+    def config(share: float, cache: str = "cache"):
         return load_config(None, [f"data.train_path={src}", f"target.tokenizer={DEMO_TOKENIZER}",
-                                  f"target.cache_dir={tmp_path / 'cache'}", f"data.max_bad_share={share}"])
+                                  f"target.cache_dir={tmp_path / cache}", f"data.max_bad_share={share}"])
     prepared = data.ensure_prepared(config(0.5))
     assert prepared.meta["report"]["bad"][0][0] == 4 and prepared.sample_ids.tolist() == [0, 1, 2]
     assert "1 of 4 rows (25.0%) are bad and skipped" in caplog.text
     with pytest.raises(ConfigError, match=r"data.train_path: .* 1 of 4 rows \(25.0%\) are bad, more than "
                                           r"data.max_bad_share 0.1"):
-        data.ensure_prepared(config(0.1))
+        data.ensure_prepared(config(0.1))     # the cache prepared under 0.5, judged again under 0.1
+    with pytest.raises(ConfigError, match=r"data.train_path: .* 1 of 4 rows \(25.0%\) are bad, more than "):
+        data.ensure_prepared(config(0.1, "fresh"))   # preparing anew: the same one line, nothing cached
+    assert not os.listdir(tmp_path / "fresh" / "data")
