@@ -19,7 +19,8 @@ from typing import Any
 import yaml
 
 # the wire's bounds: a config the protocol cannot carry is refused at load, naming its key
-from common.protocol import MAX_EPOCHS, MAX_HELDOUT, MAX_SLOTS, MAX_WORKERS
+from common.protocol import MAX_EPOCHS, MAX_HELDOUT, MAX_WORKERS
+from common.ring_limits import MAX_SLOT_SIZE, MAX_SLOTS
 from common.trust import private_dir
 
 
@@ -48,6 +49,9 @@ class DataConfig:
     # context holds (~1 MiB of text, ~6 MiB as \u-escaped JSON), yet a row tokenized whole (overlong: split)
     # stays within a few GB of memory (README "Your data").
     max_row_bytes: int = 16 << 20
+    # More bad rows than this share of a file's rows stops preparation (exit status 2): a file mostly
+    # bad is the wrong file or a broken export. 1: train on whatever rows are good.
+    max_bad_share: float = 0.5
     format: str = "auto"                # chat rows: auto (per file) | openai (messages) | sharegpt (conversations)
     chat_template: str = ""             # Jinja file or inline text rendering the rows; "": the tokenizer's own
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables: enable_thinking: false
@@ -116,6 +120,8 @@ class TrainConfig:
     wandb_project: str = ""
     new_plan: bool = False              # resume the weights under a changed data plan, accounting anew
 
+
+MAX_LR = 1.0   # train.lr's bound (validate)
 
 RUN_TAG_NAME_CHARS = 16   # of the run folder's name in a run tag; with the hash, short enough for a socket path
 
@@ -276,7 +282,13 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected section.key=value")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", "") or e).split())
+        raise ConfigError(f"--set {key.strip()}: the value {raw!r} is not YAML ({problem}); quote a string "
+                          f"value, e.g. --set '{key.strip()}=\"...\"'") from None
+    return key.strip().split("."), value
 
 
 def validate(cfg: Config) -> Config:
@@ -289,6 +301,14 @@ def validate(cfg: Config) -> Config:
     need(cfg.ring.cuda_register in ("auto", "off", "require"), "ring.cuda_register: auto | off | require")
     need(bool(cfg.ring.name) and "/" not in cfg.ring.name, "ring.name: a non-empty name without '/'")
     need(cfg.data.token_budget >= 16, "data.token_budget: at least 16 tokens")
+    # A slot holds the batch's hidden planes and at least 4 bytes per token beside them; the exact
+    # size needs the target's width (`target_server.worker.TargetWorker.slot_size` checks it again).
+    need(cfg.data.token_budget * 4 <= MAX_SLOT_SIZE,
+         f"data.token_budget: {cfg.data.token_budget} tokens need a ring slot larger than the ring's limit "
+         f"({MAX_SLOT_SIZE} bytes)")
+    need(cfg.data.max_row_bytes >= 1, f"data.max_row_bytes: at least 1 byte (got {cfg.data.max_row_bytes})")
+    need(0 <= cfg.data.max_bad_share <= 1,
+         f"data.max_bad_share: a share of the rows from 0 to 1 (got {cfg.data.max_bad_share}; 1 allows any)")
     need(cfg.data.max_len >= 2, "data.max_len: at least 2 tokens")
     need(cfg.data.max_len <= cfg.data.token_budget,
          f"data.max_len ({cfg.data.max_len}) must not exceed data.token_budget ({cfg.data.token_budget}): "
@@ -324,7 +344,10 @@ def validate(cfg: Config) -> Config:
          f"({cfg.drafter.block_size}): a block's last tokens could not see its anchor; set "
          f"drafter.sliding_window to at least {cfg.drafter.block_size} (or 0: no sliding window)")
     need(1 <= cfg.train.epochs <= MAX_EPOCHS, f"train.epochs: 1 to {MAX_EPOCHS} (the protocol's plan of a run)")
-    need(cfg.train.lr > 0, "train.lr: must be positive")
+    # AdamW moves each weight by about lr per step whatever the gradient's size: above 1 the first
+    # steps throw the weights out of range (1e38 overflows to inf/nan). The recipe's is 6e-4.
+    need(0 < cfg.train.lr <= MAX_LR, f"train.lr: above 0 and at most {MAX_LR:g} (got {cfg.train.lr:g}; "
+         f"the recipe's is {TrainConfig.lr:g})")
     need(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio: in [0, 1)")
     need(len(cfg.train.betas) == 2, "train.betas: two numbers")
     need(cfg.train.checkpoint_every >= 1, "train.checkpoint_every: at least 1 step")

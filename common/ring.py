@@ -93,6 +93,7 @@ from common.atomics import Words, ordering_problem
 from common.cuda_host import MODES as CUDA_MODES
 from common.cuda_host import CudaRegisterError, HostRegistration, register_mapping
 from common.liveness import RoleLock, pid_alive, self_identity
+from common.ring_limits import MAX_SLOT_SIZE, MAX_SLOTS
 from common.trust import Untrusted, folder_problem, owner_problem, trusted_uids, who
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,6 @@ TENSOR_ALIGN = 64                # later tensors and the table: one cache line
 HEADER_STRIDE = 128              # producer line + consumer line per slot
 TABLE_RESERVE = 64 << 10         # room slot_bytes() keeps for the table after the tensors
 MAX_TABLE_BYTES = 1 << 20        # a consumer refuses larger tables without decoding them
-MAX_SLOTS = 4096
-MAX_SLOT_SIZE = 1 << 40
 MAX_TENSORS = 64
 MAX_DIMS = 8
 ACK_EPOCH_BITS, ACK_SEQ_BITS = 24, 40

@@ -34,8 +34,10 @@ from typing import Any
 
 from common.channel import ipc_listener
 from common.config import Config, load_config
+from common.exits import EXIT_OUT_DIR_IN_USE
 from common.liveness import STOP_WITH_ENV, LockHeld, RoleLock
 from common.metrics import RATE_WINDOW_S, human_duration
+from drafter_trainer.checkpoint import OutDirInUse
 
 from .ctl import audit_text, reported, target_summary, trainer_summary, try_status
 
@@ -172,12 +174,19 @@ def _status(endpoint: str, proc: subprocess.Popen, timeout_s: float = 1.0) -> di
     return try_status(endpoint, timeout_s=timeout_s) if _serves(endpoint, proc) else None
 
 
+DEMO_LOCK_NAME = "run"   # the demo's lock: <out_dir>/run.demo.lock (RoleLock names it <name>.<role>.lock)
+DEMO_LOCK_FILE = f"{DEMO_LOCK_NAME}.demo.lock"
+
+
 def _demo_lock(out_dir: str) -> RoleLock:
-    """One demo per run folder: `<out_dir>.demo.lock` beside it, held while the demo runs. A second
-    demo of the same config would otherwise clear the folder the first one trains into."""
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    return RoleLock(parent, os.path.basename(out_dir), "demo")
+    """One demo per run folder: `run.demo.lock` inside the folder itself, held while the demo runs
+    and before anything in it is cleared. Inside, not beside it: every name that reaches the folder
+    (a symbolic link, a bind mount, `..` in the path) opens the same file, so a second demo through
+    another name meets the first one's lock instead of clearing the folder it trains into. The
+    folder is made first when missing (`check_run_folder`: never under another user's folder)."""
+    from drafter_trainer.checkpoint import check_run_folder
+    check_run_folder(out_dir, create=True)
+    return RoleLock(out_dir, DEMO_LOCK_NAME, "demo")
 
 
 def run_demo(config: str | None = None, overrides: list[str] | None = None, fresh: bool = False) -> int:
@@ -196,6 +205,9 @@ def run_demo(config: str | None = None, overrides: list[str] | None = None, fres
         return 1
     try:
         return _run(cfg, config, overrides, out_dir, rerun, fresh)
+    except OutDirInUse as e:   # a trainer without a demo trains there: nothing of it was touched
+        print(f"dfpipe demo: {e}")
+        return EXIT_OUT_DIR_IN_USE
     finally:
         lock.release(unlink=True)
 
@@ -319,8 +331,26 @@ def _continue_or_clear(out_dir: str, fresh: bool) -> int | None:
     or nothing to continue: no checkpoint, or the last run finished), with the run folder cleared."""
     step = None if fresh else _unfinished_step(out_dir)
     if step is None and os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
+        _clear(out_dir)
     return step
+
+
+def _clear(out_dir: str) -> None:
+    """Empty the run folder, whose demo lock the caller holds, but for that lock: first taking its
+    trainer lock (`lock_out_dir`: a trainer started without a demo holds it), so nothing a live
+    trainer writes is removed (OutDirInUse names the holder)."""
+    from drafter_trainer.checkpoint import LOCK_NAME, lock_out_dir
+    fd = lock_out_dir(out_dir)
+    try:
+        for entry in os.scandir(out_dir):
+            if entry.name in (LOCK_NAME, DEMO_LOCK_FILE):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+    finally:
+        os.close(fd)
 
 
 def _unfinished_step(out_dir: str) -> int | None:

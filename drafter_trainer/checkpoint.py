@@ -45,6 +45,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -527,14 +528,91 @@ def _trusted_file(path: str, name: str) -> str:
     return file
 
 
-def _safe_globals() -> list[Any]:
-    """What the weights-only load of state.pt may build besides tensors and plain values: numpy
-    integer arrays, in which checkpoints before manifests kept their sample ids. Rebuilding one
-    runs none of the file's code (an array of Python objects stays refused)."""
-    from numpy._core import multiarray
+# ---- legacy numpy fields, rebuilt without numpy's unpickling ------------------------------------
+# Checkpoints before manifests kept their sample ids as numpy integer arrays. numpy's own
+# unpickling (`_reconstruct`, `ndarray.__setstate__`) trusts the pickle: an array of dtype=object
+# over a bytes buffer makes numpy read the file's bytes as object pointers (a segfault, or worse).
+# So no numpy callable is ever on the weights-only allowlist: these stand-ins take numpy's names,
+# check what the pickle asks for (a plain numeric dtype, a buffer of exactly the array's size) and
+# build the array with np.frombuffer, which never interprets bytes as pointers.
+_LEGACY_DTYPE = re.compile(r"[iu][1248]|f[248]|b1")   # the numeric dtypes an array of ids or values has
 
-    return [np.ndarray, np.dtype, np.dtypes.Int64DType, np.dtypes.Int32DType, multiarray._reconstruct,
-            (multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]   # numpy 1's name, in older pickles
+
+class _LegacyDtype:
+    """Stands in for `numpy.dtype(code, align, copy)` and its BUILD state; `dtype` once checked."""
+
+    def __init__(self, code: Any = None, align: Any = False, copy: Any = True) -> None:
+        if not isinstance(code, str) or not _LEGACY_DTYPE.fullmatch(code):
+            raise ValueError(f"numpy dtype {code!r}: a checkpoint's arrays hold plain numbers only")
+        self.code, self.dtype = code, np.dtype(code)
+
+    def __setstate__(self, state: Any) -> None:
+        # (version, byte order, subarray, names, fields, elsize, alignment, flags): a plain number has
+        # no subarray, names or fields (a structured dtype, perhaps with object fields, has them), and
+        # no flags (63 would tell numpy that its items are object pointers)
+        if not (isinstance(state, tuple) and len(state) >= 5 and state[1] in ("<", ">", "|", "=")
+                and state[2] is None and state[3] is None and state[4] is None
+                and (len(state) < 8 or state[7] == 0)):
+            raise ValueError(f"numpy dtype {self.code!r} with state {state!r:.80}: not a plain number")
+        self.dtype = np.dtype(self.code).newbyteorder(state[1]) if state[1] in "<>" else np.dtype(self.code)
+
+
+class _LegacyNdarrayType:
+    """Stands in for the `numpy.ndarray` class a pickled array names; never built."""
+
+
+class _LegacyArray:
+    """Stands in for `numpy.core.multiarray._reconstruct(ndarray, ...)`; BUILD gives it the array."""
+
+    def __init__(self) -> None:
+        self.array: np.ndarray | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) in (4, 5)):
+            raise ValueError("numpy array state: not numpy's (version, shape, dtype, fortran, data)")
+        shape, dtype, fortran, data = state[-4:]
+        if not (isinstance(dtype, _LegacyDtype) and isinstance(data, bytes) and isinstance(shape, tuple)
+                and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError("numpy array state: a plain-number array over a bytes buffer only")
+        size = math.prod(shape)
+        if size * dtype.dtype.itemsize != len(data):
+            raise ValueError(f"numpy array of shape {shape} {dtype.dtype}: {len(data)} bytes of data")
+        self.array = np.frombuffer(data, dtype=dtype.dtype).reshape(shape, order="F" if fortran else "C").copy()
+
+
+def _reconstruct(subtype: Any, shape: Any, code: Any) -> _LegacyArray:
+    if subtype is not _LegacyNdarrayType:
+        raise ValueError(f"numpy _reconstruct of {subtype!r}: only plain arrays")
+    return _LegacyArray()
+
+
+def _safe_globals() -> list[Any]:
+    """What the weights-only load of state.pt may build besides tensors and plain values: the
+    stand-ins above, under the numpy names a pre-manifest checkpoint's integer arrays carry
+    (`_legacy_arrays` turns them into numpy arrays). No numpy callable itself."""
+    return [(_reconstruct, "numpy._core.multiarray._reconstruct"),
+            (_reconstruct, "numpy.core.multiarray._reconstruct"),   # numpy 1's name, in older pickles
+            (_LegacyNdarrayType, "numpy.ndarray"), (_LegacyDtype, "numpy.dtype"), _LegacyArray, _LegacyDtype]
+
+
+def _legacy_arrays(value: Any) -> Any:
+    """`value` with each stand-in array replaced by its numpy array (dicts and lists in place, so an
+    OrderedDict stays one); ValueError for one left unbuilt (a pickle that never gave it its state)
+    or a stand-in dtype outside an array."""
+    if isinstance(value, _LegacyArray):
+        if value.array is None:
+            raise ValueError("a numpy array without its data")
+        return value.array
+    if isinstance(value, _LegacyDtype) or value is _LegacyNdarrayType:
+        raise ValueError("a numpy dtype or class outside an array")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _legacy_arrays(v)
+    elif type(value) is list:
+        value[:] = [_legacy_arrays(v) for v in value]
+    elif type(value) is tuple:
+        return tuple(_legacy_arrays(v) for v in value)
+    return value
 
 
 def _load_state(path: str, mmap: bool = False) -> dict[str, Any]:
@@ -553,7 +631,7 @@ def _load_state(path: str, mmap: bool = False) -> dict[str, Any]:
                 raise CheckpointInvalid(path, f"{STATE}-unsafe", f"its pickle calls or builds {', '.join(unsafe[:4])}: "
                                         "a checkpoint holds tensors and plain values only; not loaded, nothing in "
                                         "it was run")
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+            state = _legacy_arrays(torch.load(file, map_location="cpu", weights_only=True, mmap=mmap))
     except CheckpointInvalid:
         raise
     except FileNotFoundError:
@@ -841,6 +919,31 @@ class TrainerState:
                    config_hash=meta.get("config_hash", ""), model=state["model"], optimizer=state.get("optimizer"),
                    rng=state.get("rng", {}).get("torch"), drafter_config=state.get("drafter_config", {}),
                    split_fc=state.get("split_fc", False), target_precision=meta.get("target_precision", ""))
+
+    def check_fits(self, model: torch.nn.Module, path: str) -> None:
+        """ConfigError (exit status 2, one line) unless the checkpoint's weights are the shapes of
+        `model`'s: a resume under another drafter depth or width (drafter.num_layers,
+        intermediate_size, heads...) would fail deep in load_state_dict or the optimizer."""
+        # what a checkpoint holds: the trainable weights (the frozen target head is the target's)
+        mine = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+        theirs = {name: tuple(t.shape) for name, t in self.model.items()}
+        differ = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+        if not differ:
+            return
+        from common.config import ConfigError
+
+        def shape(weights: dict[str, tuple[int, ...]]) -> str:
+            layers = {int(m[1]) for n in weights if (m := re.search(r"layers\.(\d+)\.", n))}
+            width = next((s[-1] for n, s in sorted(weights.items()) if n.endswith("norm.weight")), "?")
+            return f"{len(layers)} layers, width {width}"
+
+        where = differ[0]
+        raise ConfigError(
+            f"drafter: the checkpoint {path} holds a drafter of {shape(theirs)}, this config builds one of "
+            f"{shape(mine)} ({where}: {theirs.get(where, 'absent')} in the checkpoint, {mine.get(where, 'absent')} "
+            f"here): "
+            f"keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
+            f"afresh (`dfpipe demo --fresh`, or move {os.path.dirname(path)} away)")
 
     def restore_weights(self, model: torch.nn.Module) -> None:
         """The checkpoint's trainable weights into `model` (its frozen target head stays), and its RNG."""

@@ -214,6 +214,7 @@ class Trainer:
         self.stopped_by_checkpoint_failures = False
         self.trained = SeqSet()                     # seqs whose effect is in the weights
         self.resumed: TrainerState | None = None    # the checkpoint resumed, until _take_drafter restores it
+        self.resumed_path = ""                      # its folder
         self.resumed_plan: dict[str, Any] = {}      # the data plan of the checkpoint's `have` ({}: none recorded)
         self.resumed_batches = 0
         self.trained_samples: dict[int, list[np.ndarray]] = {}   # per epoch: [D, 2] (sample id, document id)
@@ -312,6 +313,7 @@ class Trainer:
             return SeqSet()
         path = pick
         r = self.resumed = r if r is not None else TrainerState.load(path)
+        self.resumed_path = path
         self.step, self.epoch, self.skipped_steps = r.step, r.epoch, r.skipped_steps
         self.trained = r.have.copy()
         self.resumed_batches = len(self.trained)
@@ -526,6 +528,7 @@ class Trainer:
         self.trainable_names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.resumed is not None:
+            self.resumed.check_fits(self.model, self.resumed_path)
             self.resumed.restore_weights(self.model)
         self.optimizer = build_adamw(params, cfg.train, self.device, self.resumed.optimizer if self.resumed else None)
         self.resumed = None   # restored: its CPU copies of the weights and moments are not kept

@@ -52,7 +52,8 @@ row) index (stable across re-preparation, whatever else changes in the file belo
 No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
 both counted) or listed in the report with its line number and the reason (a row larger than
 max_row_bytes, never parsed; nested deeper than MAX_ROW_DEPTH; a number past Python's int-string
-limit; a Parquet row or row group pyarrow cannot read), and the file goes on; a source without a
+limit; a Parquet row or row group pyarrow cannot read; a word longer than `word_cap`, whose
+tokenization alone would cost gigabytes), and the file goes on; a source without a
 single usable row is an error that first says what is wrong with the file, when its first bytes
 show it (a JSON array, Latin-1 or UTF-16 text, gzip), and the command that fixes it, then the first
 rows' own reasons. A UTF-8 byte-order mark at the start of a file is accepted. `dfpipe eval` reads
@@ -116,6 +117,11 @@ class DataError(ValueError):
     """A prepared folder or a prepare-data input that cannot be used; the message says which file and why."""
 
 
+class TooManyBadRows(DataError):
+    """More of a source's rows are bad than data.max_bad_share allows: a file mostly bad is the wrong
+    file or a broken export, and training on its few good rows would hide that."""
+
+
 # ----------------------------------------------------------------------------------------------
 # The report
 
@@ -160,6 +166,26 @@ class PrepareReport:
             shown = ", ".join(map(str, lines[:8])) + (", ..." if len(lines) > 8 else "")
             parts.append(f"  {len(lines)} x {kind} (line {shown})")
         return "\n".join(parts)
+
+    def bad_share(self) -> float:
+        return len(self.bad) / self.rows if self.rows else 0.0
+
+    def first_reasons(self, count: int = 3) -> str:
+        return "; ".join(f"line {line}: {reason}" for line, reason in self.bad[:count])
+
+    def check_bad_share(self, source: str, max_bad_share: float) -> str | None:
+        """TooManyBadRows when the share of bad rows exceeds `max_bad_share`; else the one warning
+        line to show when some rows are bad (None: none is)."""
+        if not self.bad:
+            return None
+        share = f"{len(self.bad)} of {self.rows} rows ({self.bad_share():.1%})"
+        if self.bad_share() > max_bad_share:
+            raise TooManyBadRows(
+                f"{source}: {share} are bad, more than data.max_bad_share {max_bad_share:g} allows "
+                f"(first: {self.first_reasons()}). Fix the file, or allow it with data.max_bad_share: 1 "
+                f"(prepare-data --max-bad-share 1) to train on the {self.kept} good rows")
+        return f"{source}: {share} are bad and skipped (data.max_bad_share {max_bad_share:g}); first: " \
+               f"{self.first_reasons(1)}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -735,17 +761,70 @@ def _unchanged_by_cut(words: list[int | None], offsets: list[tuple[int, int]], s
     return next((i for i, word in enumerate(words) if word is None or word >= near - 1), len(words))
 
 
-def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_Encoded]:
+class _WordTooLong(ValueError):
+    """A view holds a pre-tokenizer word longer than the word cap: its message is the row's bad-row reason."""
+
+
+def word_cap(tokenizer: Any, max_len: int) -> int:
+    """The longest pre-tokenizer word a row may hold: (max_len + 1) x the longest vocabulary entry.
+
+    A tokenizer runs BPE on each word whole, in memory and time in proportion to the word (about
+    400 bytes a character: a 15 MiB word took 6.4 GB and 46 s), and whether a prefix of one word
+    tokenizes as the start of the whole word cannot be proven (a merge at its end can move every
+    boundary before it), so such a word is never cut. A token covers at most the longest entry's
+    characters, so a word past the cap holds more tokens than a document keeps (NFC can compose a
+    few characters into one, so nearly always): a row holding one is a bad row ("word too long"),
+    read before its cost is paid."""
+    vocab = tokenizer.get_vocab()
+    return (max_len + 1) * max(map(len, vocab), default=1)
+
+
+def _long_word(text: str, cap: int) -> int | None:
+    """Where a run of more than `cap` characters without whitespace, or of whitespace only, starts
+    (None: there is none). Pre-tokenizers that split at whitespace (byte-level regexes, Metaspace,
+    Whitespace) make no word longer than such a run and one character; without a pre-tokenizer the
+    text between two added tokens is one word, which this does not see."""
+    found = re.search(r"\S{%d,}|\s{%d,}" % (cap + 1, cap + 1), text)
+    return found.start() if found else None
+
+
+def _word_too_long(cap: int, start: int) -> _WordTooLong:
+    return _WordTooLong(f"word too long: more than {cap} characters at character {start} the tokenizer cannot "
+                        f"split (one pre-tokenizer word; longer than (max_len + 1) x the longest vocabulary "
+                        f"entry); tokenizing it whole would cost about 400 bytes a character")
+
+
+def _last_word_start(words: list[int | None], offsets: list[tuple[int, int]], size: int) -> int:
+    """Where the last word of a cut text starts (`size`: the text ends in an added token, no word)."""
+    last = words[-1] if words else None
+    if last is None:
+        return size
+    i = len(words) - 1
+    while i > 0 and words[i - 1] == last:
+        i -= 1
+    return offsets[i][0]
+
+
+def _encode_views(tokenizer: Any, views: list[View], keep: int | None, cap: int | None = None) -> list[_Encoded]:
     """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask.
 
     keep None: every token (overlong split). Else only the first `keep` are needed: a longer text is
     tokenized as a prefix of keep * _CHARS_PER_TOKEN characters, 4x longer while fewer than `keep`
     of its tokens are certain to be the uncut text's (`_unchanged_by_cut`), so a 200 MB answer costs
-    the tokens kept, not 50M tokens; the ids and mask kept are exactly those of the whole text."""
+    the tokens kept, not 50M tokens; the ids and mask kept are exactly those of the whole text.
+
+    cap (`word_cap`; None: no cap) bounds one word's cost: under split a view holding a longer run
+    (`_long_word`) raises _WordTooLong before it is tokenized; under a cut, the cut never grows
+    more than `cap` characters past the start of the word it falls in, and raises when that word
+    is still unproven there (the whole text holds a word longer than `cap`)."""
     if not views:
         return []
     bound = None if keep is None else keep * _CHARS_PER_TOKEN
     reach = max((len(t.content) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()), default=1)
+    if keep is None and cap is not None:
+        for text, _ in views:
+            if (start := _long_word(text, cap)) is not None:
+                raise _word_too_long(cap, start)
     texts = [text if bound is None or len(text) <= bound else text[:bound] for text, _ in views]
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     out = []
@@ -753,7 +832,15 @@ def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_
         ids, offsets, size = encoded["input_ids"][i], encoded["offset_mapping"][i], len(cut)
         words = encoded.word_ids(i) if size < len(text) else []     # only a cut text asks which words changed
         while size < len(text) and _unchanged_by_cut(words, offsets, size, reach) < keep:
-            size = min(len(text), size * 4)
+            grown = min(len(text), size * 4)
+            if cap is not None:
+                # The cut's last word may differ from the whole text's by an added token the cut fell
+                # into (reach) and a lookahead's character: past that, the whole text's word is longer than cap.
+                limit = _last_word_start(words, offsets, size) + cap + reach + 2
+                if size >= limit:
+                    raise _word_too_long(cap, _last_word_start(words, offsets, size))
+                grown = min(grown, limit)
+            size = grown
             again = tokenizer([text[:size]], add_special_tokens=False, return_offsets_mapping=True)
             ids, offsets, words = again["input_ids"][0], again["offset_mapping"][0], again.word_ids(0)
         whole = size >= len(text)
@@ -767,6 +854,30 @@ def _encode_views(tokenizer: Any, views: list[View], keep: int | None) -> list[_
         learns = bool(mask.any()) or (not whole and any(b > max(a, int(chars[-1, 1])) for a, b in spans))
         out.append(_Encoded(np.asarray(ids, dtype=np.int64), mask.astype(np.uint8), whole, learns))
     return out
+
+
+def _encode_rows(tokenizer: Any, pending: list[tuple[int, list[View] | str]], keep: int | None,
+                 cap: int | None = None) -> list[tuple[int, list[View] | str, list[_Encoded] | str]]:
+    """(line, views, their encodings or the reason the row has none) of rendered rows, tokenized in
+    one batch. When the batch raises, each row is tokenized alone: the exception a row's own text
+    raises in the tokenizer (a lone surrogate: `TypeError: TextEncodeInput must be ...`, a codec
+    error) makes that row a bad row, its line and the exception its reason; the others are kept.
+    So does a word longer than `cap` (`_encode_views`), with its own reason."""
+    views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
+    try:
+        encoded = iter(_encode_views(tokenizer, views_to_encode, keep, cap))
+        return [(line, views, views if isinstance(views, str) else [next(encoded) for _ in views])
+                for line, views in pending]
+    except Exception:   # noqa: BLE001: one row's content; which one is found below
+        if len(pending) == 1 and not isinstance(pending[0][1], str):
+            line, views = pending[0]
+            try:
+                return [(line, views, _encode_views(tokenizer, views, keep, cap))]
+            except _WordTooLong as e:
+                return [(line, views, str(e))]
+            except Exception as e:   # this row's own text: a bad row, not the file's end
+                return [(line, views, f"tokenizer error: {type(e).__name__}: {str(e)[:200]}")]
+        return [row for one in pending for row in _encode_rows(tokenizer, [one], keep, cap)]
 
 
 def _documents(views: list[_Encoded], max_len: int, overlong: str, report: PrepareReport
@@ -827,7 +938,8 @@ def _publish(tmp: str, out_dir: str) -> None:
 
 def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                 row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes) -> PrepareReport:
+                 row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes,
+                 max_bad_share: float = DataConfig.max_bad_share) -> PrepareReport:
     """Tokenize a chat JSONL or Parquet file into a prepared folder (input formats and layout in the
     module docstring).
 
@@ -835,7 +947,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     chat_template_kwargs: variables it reads (e.g. {"enable_thinking": False}); row_format: auto
     (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt;
     max_row_bytes: a larger row (JSONL line, Parquet row) is a bad row, never parsed.
-    Bad rows are counted and listed, never fatal; a missing input, an unusable tokenizer or
+    Bad rows are counted and listed, fatal only above max_bad_share of the rows (TooManyBadRows,
+    nothing written); a missing input, an unusable tokenizer or
     template, bad arguments or a source without one usable row raise DataError.
     """
     if overlong not in OVERLONG_POLICIES:
@@ -846,6 +959,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
     if max_row_bytes < 1:
         raise DataError(f"max_row_bytes must be at least 1, got {max_row_bytes}")
+    if not 0 <= max_bad_share <= 1:
+        raise DataError(f"max_bad_share must be a share of the rows, 0 to 1, got {max_bad_share}")
     if not os.path.isfile(source_path):
         raise DataError(f"input file not found: {source_path}")
     out_dir = os.path.normpath(out_dir)
@@ -858,6 +973,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     rows = ChatRows(source_path, row_format, _control_token_pattern(specials), max_row_bytes=max_row_bytes)
     # Tokens a view needs: split keeps them all; truncate and skip max_len, and one more to tell a longer view.
     keep = None if overlong == "split" else max_len + 1
+    cap = word_cap(tokenizer, max_len)
 
     tmp = _prepare_out_dir(out_dir)
     report = PrepareReport()
@@ -867,11 +983,8 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     def flush(pending: list[tuple[int, list[View] | str]]) -> None:
         nonlocal max_token_id
-        views_to_encode = [v for _, views in pending if not isinstance(views, str) for v in views]
-        encoded = iter(_encode_views(tokenizer, views_to_encode, keep))
-        for line, views in pending:
-            docs = views if isinstance(views, str) else _documents([next(encoded) for _ in views], max_len,
-                                                                   overlong, report)
+        for line, views, encoded in _encode_rows(tokenizer, pending, keep, cap):
+            docs = encoded if isinstance(encoded, str) else _documents(encoded, max_len, overlong, report)
             if isinstance(docs, str):
                 report.bad.append((line, docs))
                 continue
@@ -916,6 +1029,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         flush(pending)
         if report.kept == 0:
             raise DataError(no_usable_rows(source_path, report))
+        report.check_bad_share(source_path, max_bad_share)
         for w in writers.values():
             w.finish()
         np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=ARRAYS["offsets"]))
@@ -1064,23 +1178,41 @@ def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     d = cfg.data
     tokenizer_dir = _tokenizer_for(cfg, source)
     template = template_setting(cfg)
-    template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
+    try:
+        template_text = read_chat_template(template) or ""  # "": the tokenizer's own, hashed with its files
+    except DataError as e:   # a setting that names no file: a restart meets the same (exit status 2)
+        raise ConfigError(f"data.chat_template: {e}") from None
     inputs = [FORMAT_VERSION, file_sha256(path), tokenizer_digest(tokenizer_dir), d.max_len, d.overlong, d.format,
               hashlib.sha256(template_text.encode()).hexdigest(), d.chat_template_kwargs, d.max_row_bytes]
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     name = os.path.splitext(os.path.basename(path))[0]
     out_dir = os.path.join(cfg.resolve(cfg.target.cache_dir), "data", f"{name}-{key}")
+    try:   # too many bad rows is the file's, not this host's: a restart meets the same rows (exit status 2)
+        return _prepared_cache(cfg, path, tokenizer_dir, template, out_dir)
+    except TooManyBadRows as e:
+        raise ConfigError(f"data.{source}: {e}") from None
+
+
+def _prepared_cache(cfg: Config, path: str, tokenizer_dir: str, template: str, out_dir: str) -> PreparedDataset:
+    """The prepared folder `out_dir` of chat file `path`: as cached, else prepared now (ensure_prepared)."""
+    d = cfg.data
     if os.path.isfile(os.path.join(out_dir, "meta.json")):
         try:
-            return PreparedDataset.open(out_dir)
+            cached = PreparedDataset.open(out_dir)
         except DataError as e:
             log.warning("prepared cache %s unusable (%s); preparing again", out_dir, e)
+        else:   # prepared under another data.max_bad_share (not in the key: it changes no token)
+            r = cached.meta.get("report") or {}
+            earlier = PrepareReport(rows=r.get("rows", 0), kept=r.get("kept", 0),
+                                    bad=[(int(b[0]), str(b[1])) for b in r.get("bad", [])])
+            earlier.check_bad_share(path, d.max_bad_share)
+            return cached
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     report = prepare_data(path, tokenizer_dir, out_dir, d.max_len, d.overlong, template, d.chat_template_kwargs,
-                          d.format, d.max_row_bytes)
+                          d.format, d.max_row_bytes, d.max_bad_share)
     log.info("prepared %s -> %s\n%s", path, out_dir, report.summary())
-    if report.bad:
-        log.warning("%d bad rows in %s, listed in %s", len(report.bad), path, os.path.join(out_dir, "bad_rows.jsonl"))
+    if warning := report.check_bad_share(path, d.max_bad_share):
+        log.warning("%s; all listed in %s", warning, os.path.join(out_dir, "bad_rows.jsonl"))
     return PreparedDataset.open(out_dir)
 
 
@@ -1103,6 +1235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-row-bytes", type=int, default=None,
                         help="a larger row (JSONL line, Parquet row) is a bad row, never parsed "
                              "(default data.max_row_bytes)")
+    parser.add_argument("--max-bad-share", type=float, default=None, metavar="SHARE",
+                        help="stop (exit status 2) when more than this share of the rows is bad; 1 allows any "
+                             "(default data.max_bad_share)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template, a file or inline text; any template works, generation markers "
                              "are not needed (default data.chat_template, else the tokenizer's own)")
@@ -1114,6 +1249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, cfg: Config) -> int:
     """Prepare args.input into args.out; 0, or 2 with the reason on stderr."""
     d = cfg.data
+    max_bad_share = d.max_bad_share if args.max_bad_share is None else args.max_bad_share
     try:
         kwargs = d.chat_template_kwargs
         if args.chat_template_kwargs is not None:
@@ -1132,11 +1268,14 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
                               d.max_len if args.max_len is None else args.max_len, args.overlong or d.overlong,
                               template_setting(cfg) if args.chat_template is None else args.chat_template,
                               kwargs, args.format or d.format,
-                              d.max_row_bytes if args.max_row_bytes is None else args.max_row_bytes)
+                              d.max_row_bytes if args.max_row_bytes is None else args.max_row_bytes,
+                              max_bad_share)
     except DataError as e:
         print(f"prepare-data: {e}", file=sys.stderr)
         return 2
     print(report.summary())
+    if warning := report.check_bad_share(args.input, max_bad_share):
+        print(f"prepare-data: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} (bad rows listed in {os.path.join(args.out, 'bad_rows.jsonl')})")
     return 0
 

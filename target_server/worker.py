@@ -34,6 +34,7 @@ from common.config import ConfigError
 from common.metrics import StageTimes
 from common.liveness import RoleLock
 from common.ring import ProducerRing, RingReplaced, slot_bytes
+from common.ring_limits import MAX_SLOT_SIZE
 
 from . import fp8
 from .delivery import Dispatcher, Work
@@ -113,7 +114,14 @@ class TargetWorker(threading.Thread):
         budget = self.cfg.data.token_budget
         specs = slot_tensor_specs(budget, budget, len(self.runner.layer_ids), self.runner.hidden_size,
                                   self.runner.dtype)
-        return slot_bytes(specs)
+        size = slot_bytes(specs)
+        if size > MAX_SLOT_SIZE:   # the ring would refuse it; the setting that makes it is the budget
+            per_token = size // budget
+            raise ConfigError(f"data.token_budget: {budget} tokens need {size} bytes per ring slot with this "
+                              f"target ({len(self.runner.layer_ids)} layers x {self.runner.hidden_size} wide), "
+                              f"above the ring's limit of {MAX_SLOT_SIZE}: at most about "
+                              f"{MAX_SLOT_SIZE // per_token} tokens")
+        return size
 
     def _setup(self) -> None:
         t0 = time.perf_counter()

@@ -135,7 +135,7 @@ def test_the_demo_continues_an_unfinished_run_unless_asked_to_start_afresh(tmp_p
     _checkpoint(tmp_path / "run", 5, reason)
     step = _continue_or_clear(str(tmp_path / "run"), fresh)
     assert step == (5 if continues else None)
-    assert (tmp_path / "run").exists() == continues
+    assert (tmp_path / "run" / "checkpoints").exists() == continues   # cleared: the folder stays, emptied
 
 
 def _default_names_config(tmp: Path, samples: int) -> Path:
@@ -225,3 +225,53 @@ def test_the_demo_redraws_one_line_on_a_terminal_and_writes_rare_plain_lines_to_
     # the first look, every PLAIN_EVERY_S (20 s), and the change of state
     assert len(lines) == 4 and all(line.startswith("  [") for line in lines), lines
     assert "nan" not in "".join(lines) and "None" not in "".join(lines)
+
+
+def _bind_mount(source: Path, target: Path) -> str | None:
+    """Bind-mount source at target; None when done, else why this host cannot (not root, no mount
+    namespace rights in this container): the real condition the bind-mount case skips on."""
+    if os.geteuid() != 0:
+        return "bind mounts need root"
+    target.mkdir()
+    res = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True, text=True)
+    return None if res.returncode == 0 else f"mount --bind refused here: {res.stderr.strip()}"
+
+
+@pytest.mark.parametrize("alias", ["symlink", "bind-mount"])
+def test_a_fresh_demo_through_another_name_of_a_running_run_folder_is_refused_and_clears_nothing(
+        tmp_path: Path, alias: str) -> None:
+    config = write_config(tmp_path, samples=40)
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text("{}\n")       # the first demo's run, in progress
+    other = tmp_path / "other-name"
+    if alias == "symlink":
+        other.symlink_to(out_dir)
+    elif (why := _bind_mount(out_dir, other)) is not None:
+        pytest.skip(why)
+    lock = _demo_lock(str(out_dir))
+    lock.acquire()                                        # as the first demo holds it
+    try:
+        res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config), "--fresh",
+                              "--set", f"train.out_dir={other}"], capture_output=True, text=True,
+                             timeout=scaled(120), cwd=REPO)
+    finally:
+        lock.release(unlink=True)
+        if alias == "bind-mount":
+            subprocess.run(["umount", str(other)], check=True)
+    out = (res.stdout + res.stderr).strip()
+    assert res.returncode != 0 and len(out.splitlines()) == 1, out
+    assert "another demo trains into" in out or "refused" in out, out
+    assert (out_dir / "metrics.jsonl").exists(), "the running demo's folder is left as it is"
+
+
+def test_fresh_never_clears_a_folder_a_trainer_holds(tmp_path: Path) -> None:
+    from drafter_trainer.checkpoint import OutDirInUse, lock_out_dir
+    _checkpoint(tmp_path / "run", 3, "periodic")
+    fd = lock_out_dir(str(tmp_path / "run"))             # a trainer started without a demo
+    try:
+        with pytest.raises(OutDirInUse):
+            _continue_or_clear(str(tmp_path / "run"), fresh=True)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "run" / "checkpoints").exists()

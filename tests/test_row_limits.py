@@ -45,7 +45,7 @@ def _arrays(path) -> dict[str, np.ndarray]:
     return {name: np.load(path / f"{name}.npy") for name in ("input_ids", "loss_mask", "offsets", "sample_ids")}
 
 
-HUGE = json.dumps(_answer("y" * 3_000_000))   # read past in 1 MiB pieces, never whole
+HUGE = json.dumps(_answer("y " * 1_500_000))   # read past in 1 MiB pieces, never whole; many words (one word past data.word_cap is a bad row of its own)
 
 
 def test_bad_rows_of_every_kind_are_listed_and_the_good_rows_around_them_kept_exactly(tmp_path):
@@ -101,7 +101,8 @@ def test_a_file_of_bad_rows_only_exits_2_naming_each_rows_reason(tmp_path, capsy
                                     f"  line 1: number with more than {sys.get_int_max_str_digits()} digits",
                                     f"  line 2: {DEEP}",
                                     f"  line 3: larger than max_row_bytes: {len(HUGE)} > {LIMIT} bytes"]
-    rc, out, _ = _prepare_cli(src, str(tmp_path / "p"), capsys, "--max-row-bytes", str(2 * LIMIT))  # the flag decides
+    rc, out, _ = _prepare_cli(src, str(tmp_path / "p"), capsys, "--max-row-bytes", str(2 * LIMIT),  # the flag decides
+                              "--max-bad-share", "1")   # 2 of 3 rows bad: allowed
     assert rc == 0 and out.startswith("3 rows: 1 kept")
 
 
@@ -152,6 +153,9 @@ class _Spy:
     def __call__(self, texts, **kwargs):
         self.longest = max(self.longest, *map(len, texts))
         return self.tokenizer(texts, **kwargs)
+
+    def __getattr__(self, name: str):   # added_tokens_decoder...: the tokenizer's own
+        return getattr(self.tokenizer, name)
 
 
 def _views(tokenizer) -> list:
@@ -236,7 +240,8 @@ def test_prepare_data_cut_and_uncut_write_the_same_folder(tmp_path, monkeypatch,
     reports = {}
     for name, chars_per_token in (("uncut", 10**9), ("cut", 1)):
         monkeypatch.setattr(data, "_CHARS_PER_TOKEN", chars_per_token)
-        reports[name] = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / name), max_len=48, overlong=overlong)
+        reports[name] = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / name), max_len=48, overlong=overlong,
+                                     max_bad_share=1.0)   # under skip most rows are too long, on purpose
     uncut, cut = _arrays(tmp_path / "uncut"), _arrays(tmp_path / "cut")
     for name in uncut:
         assert np.array_equal(uncut[name], cut[name]), name
@@ -272,3 +277,70 @@ def test_the_target_server_preparing_data_at_start_applies_data_max_row_bytes(tm
     assert small.path != large.path            # the limit is part of the cache key
     assert small.sample_ids.tolist() == [0, 2, 4] and large.sample_ids.tolist() == [0, 2, 3, 4]
     assert small.meta["report"]["bad"] == [[2, DEEP], [4, f"larger than max_row_bytes: {len(HUGE)} > {LIMIT} bytes"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# One long word: tokenized whole up to the word cap (exactly as uncut), a bad row past it
+
+
+def _one_word_view(tokenizer, word: str):
+    (view,) = data._Renderer(tokenizer, tokenizer.chat_template or _demo_template(), {}, ()).views(
+        data.Conversation([{"role": "user", "content": "Go."}, {"role": "assistant", "content": word}]))
+    return view
+
+
+def _demo_template() -> str:   # the trained tokenizers carry no template: the demo's renders the row
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(DEMO_TOKENIZER).chat_template
+
+
+@pytest.mark.parametrize("kind", ["demo", "metaspace", "whitespace", "none"])
+def test_a_single_word_row_under_the_cap_keeps_exactly_the_uncut_tokens_and_over_it_is_a_bad_row(tokenizer, kind):
+    tok = tokenizer if kind == "demo" else _other_tokenizer(kind)[0]
+    keep, cut_short = 17, 0
+    words = ("ab" * 3000, "\u00e9t\u00e9" * 1500, "x" * 5000)      # 4,500-6,000 characters: one word
+    for word, tail in [(w, t) for w in words for t in ("", " and more" * 3000)]:
+        view = _one_word_view(tok, word + tail)
+        (whole,) = data._encode_views(tok, [view], None)
+        assert len(whole.ids) > keep            # the cut falls inside the word, and must grow to its end
+        spy = _Spy(tok)
+        (cut,) = data._encode_views(spy, [view], keep, cap=len(view[0]))
+        n = len(whole.ids) if cut.whole else keep     # the word ends the view: proven only at its end
+        assert cut.ids.tolist() == whole.ids[:n].tolist() and cut.mask.tolist() == whole.mask[:n].tolist()
+        cut_short += not cut.whole
+        # A cap below the word's length: a bad row, and the tokenizer never saw much more than the cap.
+        cap = len(word) // 4
+        spy = _Spy(tok)
+        with pytest.raises(data._WordTooLong, match="word too long"):
+            data._encode_views(spy, [view], keep, cap=cap)
+        assert spy.longest <= max(keep * data._CHARS_PER_TOKEN, len(view[0]) - len(word) + 2 * cap)
+        with pytest.raises(data._WordTooLong, match="word too long"):   # split: seen before tokenizing
+            data._encode_views(None, [view], None, cap=cap)
+    # With words after it, the cut ends past the long word, before the view's end (without a
+    # pre-tokenizer the text up to the next added token is one word: the cut is proven only at its end).
+    assert cut_short == (0 if kind == "none" else len(words))
+
+
+def test_the_word_cap_is_the_kept_tokens_times_the_longest_vocabulary_entry(tokenizer):
+    longest = max(map(len, tokenizer.get_vocab()))
+    assert data.word_cap(tokenizer, 100) == 101 * longest
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "skip", "split"])
+def test_prepare_data_lists_a_row_of_one_huge_word_as_a_bad_row_and_keeps_the_others(tmp_path, overlong):
+    cap = data.word_cap(__import__("transformers").AutoTokenizer.from_pretrained(DEMO_TOKENIZER), 48)
+    rows = [json.dumps(s) for s in toy_corpus.generate(6, seed=3)]
+    rows.insert(2, json.dumps(_answer("a" * (cap + 500))))
+    rows.insert(4, json.dumps(_answer("b" * (cap // 2))))     # under the cap: kept (truncate, split) or too long (skip)
+    src = _write_lines(tmp_path / "rows.jsonl", rows)
+    report = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / "out"), max_len=48, overlong=overlong,
+                          max_bad_share=1.0)
+    bad = dict(report.bad)
+    assert bad[3].startswith("word too long: more than")
+    assert report.rows == len(rows) and report.kept + len(report.bad) == len(rows)
+    if overlong == "skip":
+        assert bad[5].startswith("longer than max_len")
+    else:
+        assert 5 not in bad
+    listed = [json.loads(line) for line in open(tmp_path / "out" / "bad_rows.jsonl")]
+    assert {"line": 3, "sample_id": 2, "reason": bad[3]} in listed
