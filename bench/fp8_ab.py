@@ -294,6 +294,12 @@ def seed_noise(pairs: list[dict[str, Any]]) -> dict[str, Any]:
             "tau_sd": statistics.stdev(b[1] for b in bf16)}
 
 
+def plateau_cell(arm: dict[str, Any]) -> str:
+    """yes/NO and how far the held-out loss moved over the last fifth of the steps."""
+    change = arm["plateau_change"]
+    return ("yes" if arm["plateaued"] else "NO") + (f" ({change:.2%})" if change is not None else "")
+
+
 def print_tables(pairs: list[dict[str, Any]], noise: dict[str, Any], loss_rel: Interval, tau_diff: Interval,
                  verdict: Verdict) -> None:
     print(f"\nbf16 against bf16 across seeds ({noise['pairs_of_seeds']} pairs of seeds): held-out loss apart by "
@@ -305,7 +311,7 @@ def print_tables(pairs: list[dict[str, Any]], noise: dict[str, Any], loss_rel: I
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in pairs:
         b, f = p["arms"]["bf16"], p["arms"]["fp8-emulated"]
-        print(f"| {p['seed']} | {p['steps']} | {'yes' if b['plateaued'] else 'NO'} / {'yes' if f['plateaued'] else 'NO'} "
+        print(f"| {p['seed']} | {p['steps']} | {plateau_cell(b)} / {plateau_cell(f)} "
               f"| {b['heldout_loss']:.4f} | {f['heldout_loss']:.4f} | {f['heldout_loss'] / b['heldout_loss'] - 1:+.3%} "
               f"| {b['tau']:.3f} | {f['tau']:.3f} | {f['tau'] - b['tau']:+.3f} |")
     print(f"| mean, 95% t-interval | | | | | {loss_rel.mean:+.3%} [{loss_rel.low:+.3%}, {loss_rel.high:+.3%}] | | | "
@@ -368,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     from drafter_trainer.blocks import heldout_anchor_seed
     heldout = [(b, blocks_for(b, recipe, config.mask_token_id, heldout_anchor_seed(0, i)))
                for i, b in enumerate(captured_batches(target_dir, heldout_rows, args.batch_rows, config.target_layer_ids))]
+    # the fidelity probe: one training batch at anchors of its own that no seed's training draws
     probe = (train[0], blocks_for(train[0], recipe, config.mask_token_id, heldout_anchor_seed(1, 0)))
     t_data = time.monotonic()
     log(f"data: {len(train)} training batches ({sum(int(b.doc_lens.sum()) for b in train)} tokens), "
