@@ -58,11 +58,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def toy_target_dir(cache: str, minutes: float, seed: int, steps: int | None = None) -> str:
+def toy_target_dir(cache: str, minutes: float, seed: int, steps: int | None = None,
+                   recipe: tt.ToyRecipe | None = None) -> str:
+    """The toy target of (minutes, seed, steps), made once per cache. `recipe` may shorten its own
+    held-out check (which runs after the weights are final), so the cache key leaves it out."""
     path = os.path.join(cache, f"toy-target-s{seed}-m{minutes:g}" + (f"-n{steps}" if steps else ""))
     if tt.read_report(path) is None:
         log(f"making the toy target in {path} ({minutes:g} min budget" + (f", {steps} steps)" if steps else ")"))
-        tt.make_toy_target(path, minutes=minutes, seed=seed, steps=steps, progress=log)
+        tt.make_toy_target(path, minutes=minutes, seed=seed, steps=steps, recipe=recipe, progress=log)
     report = tt.read_report(path)
     log(f"toy target {path}: {report['steps']} steps, held-out loss {report['heldout_loss']}, token accuracy "
         f"{report['heldout_token_accuracy']}, greedy exact match {report['heldout_exact_match']}")
