@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from common.batch import PackedBatch
 from common.config import Config
+from common.faults import fault_hit
 
 from .blocks import BlockBatch
 from .loss import LossOutput, dflash_loss
@@ -148,6 +149,8 @@ def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | Non
     params = [p for group in optimizer.param_groups for p in group["params"]]
     allreduce_grads(ranks, params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip) if params else torch.zeros((), device=device)
+    if fault_hit("step.nonfinite"):         # the restart tests' stand-in for a gradient that overflowed
+        grad_norm = grad_norm * float("nan")
     checked = grad_norm.detach().float().reshape(1) if out is None else \
         torch.stack([grad_norm.detach().float(), out.loss.detach().float()])
     ok = bool(torch.isfinite(checked).all())    # one device read for both

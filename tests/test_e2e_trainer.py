@@ -117,9 +117,10 @@ def test_non_finite_steps_are_skipped_then_the_trainer_checkpoints_and_stops(tmp
     target = Service("target-server", config, tmp_path)
     try:
         wait_for(lambda: serving(cfg["service"]["target_endpoint"]), 180, "target serving")
-        # an absurd learning rate blows the weights up after one step: every later loss is non-finite
-        trainer = Service("trainer", config, tmp_path, overrides=["train.lr=1e30", "train.max_bad_steps=3",
-                                                                  "train.warmup_ratio=0.0"])
+        # every step's gradient non-finite (a fault point: train.lr is bounded, so no learning rate
+        # blows the weights up any more)
+        trainer = Service("trainer", config, tmp_path, env={"DFPIPE_FAULT": "step.nonfinite:1000"},
+                          overrides=["train.max_bad_steps=3"])
         assert trainer.wait(300) == 3, trainer.log()
         log = trainer.log(tail=10_000)
         assert "skipped: non-finite loss or gradient (seq" in log
