@@ -44,6 +44,7 @@ ATTN_IMPLS = ("auto", "split", "sdpa", "flex", "flash", "fa4")
 FOLDED_IMPLS = ("flash", "flex", "fa4")    # the paths that take queries folded (block_flash.fold_queries)
 COMPILE_MODES = ("auto", "off", "on")
 LAYER_COMPILE_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}   # inductor's, for every compiled layer
+LAYER_RECOMPILE_LIMIT = 32   # graphs of one layer's code before dynamo runs a new case eager (compile_for)
 
 
 class DrafterConfigError(ValueError):
@@ -573,6 +574,12 @@ class DFlashDraftModel(nn.Module):
         if on and _layer_split_attention is split_attention_of:
             _layer_split_attention = torch.compiler.disable(split_attention_of)
             _layer_flash_attention = torch.compiler.disable(block_flash_attention)
+            from torch._dynamo import config as dynamo_config
+
+            # One layer's code serves inputs with and without grad (layer 0 takes the frozen
+            # embedding), the warm-up's and the batches' shapes, eval: on the H100 the trainer's
+            # fa4 layer passed dynamo's default of 8 graphs, past which a new case runs eager.
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, LAYER_RECOMPILE_LIMIT)
         for module in (self.hidden_norm, *self.layers, self.norm):
             if on:
                 module.compile(dynamic=True, options=dict(LAYER_COMPILE_OPTIONS))

@@ -1197,19 +1197,19 @@ def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> 
 
 # A card that holds the co-located target (16.4 GB at the proxy) and a trainer with the default
 # chunk (62.8 GB on the H100, where it ran out of memory) needs this much: smaller cards step the
-# services part's trainer in half-size chunks (peak memory grows with the chunk; P6d is a ratio of
-# rates measured on the same chunk's step, p5d's, so it stays comparable).
+# services part's trainer in chunks of a third (peak memory grows with the chunk; with half, the
+# warm restart's eager steps beside its background compile still reached 62.7 GB once in two runs).
 SERVICES_FULL_CHUNK_GB = 100
 
 
 def services_chunk(ctx: Ctx) -> int:
     """drafter.blocks_per_chunk for the services part: 0 (auto) on a card of at least
-    SERVICES_FULL_CHUNK_GB, else half the auto chunk."""
+    SERVICES_FULL_CHUNK_GB, else a third of the auto chunk."""
     from drafter_trainer.loss import auto_blocks_per_chunk
 
     if not ctx.cuda or torch.cuda.get_device_properties(ctx.device).total_memory >= SERVICES_FULL_CHUNK_GB * 1e9:
         return 0
-    return auto_blocks_per_chunk(ctx.args.block) // 2
+    return auto_blocks_per_chunk(ctx.args.block) // 3
 
 
 def part_services(ctx: Ctx) -> str:
