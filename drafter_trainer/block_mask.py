@@ -257,5 +257,5 @@ def probe_fa4(head_dim: int, device: torch.device) -> float:
         else:
             out = block_flash_attention(*leaves, plan_of_blocks(blocks, 8, groups))
         out.backward(dout)
-        results.append([out.float()] + [x.grad.float() for x in leaves])
+        results.append([out.detach().float()] + [x.grad.float() for x in leaves])
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results))
