@@ -12,7 +12,14 @@ never means silence. Phases:
    target status` does, 5 s timeout): latency p50/p90/p99/max and timeouts.
 2. frames: --frame-connections connections send frames just under service.max_message_bytes for
    --frame-seconds; RssAnon over the idle size at its peak, when the flood ends, QUIET_S + 0.5 s
-   later (the documented give-back) and 20 s later.
+   later (the documented give-back) and 20 s later (`--frame-connections 100`: issue 47, item 7).
+3. hellos: --hello-threads threads, each on its own connection, re-send one HELLO of --hello-bytes
+   (a `have` set of every other seq: the largest kind of message a trainer sends) as fast as their
+   queues take it, for --hello-seconds; a probe asks `status` every 0.1 s meanwhile (5 s timeout):
+   latency p50/p90/max and timeouts.
+
+    python bench/flood_bench.py --phases frames --frame-connections 100
+    python bench/flood_bench.py --phases hellos --hello-threads 10 --hello-seconds 60
 
 Prints one JSON object; exit status 1 when the server did not stop cleanly (exit status 0).
 """
@@ -29,12 +36,15 @@ import threading
 import time
 from typing import Any
 
+import zmq
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.soak import write_config  # noqa: E402
 from common.channel import QUIET_S, DealerChannel, RequestTimeout, request  # noqa: E402
-from common.protocol import Control, Ping, next_rid  # noqa: E402
+from common.protocol import Control, Hello, Ping, new_session_secret, next_rid  # noqa: E402
+from common.seqset import SeqSet  # noqa: E402
 from dfpipe.ctl import try_status  # noqa: E402
 
 MB = 1 << 20
@@ -133,6 +143,53 @@ def frame_flood(pid: int, endpoint: str, connections: int, size: int, seconds: f
             **{f"{k}_mb": round((v - idle) / MB) for k, v in over.items()}}
 
 
+def big_hello(size: int) -> bytes:
+    """One encoded HELLO of about `size` bytes: a `have` set of every other seq (~7 bytes a range)."""
+    ranges = max(1, size // 7)
+    while True:
+        frame = Hello(rid=next_rid(), job="hello-flood", secret=new_session_secret(), rank=0, world=1,
+                      pid=os.getpid(), start_time=0, have=SeqSet(range(0, 2 * ranges, 2)), epochs=1, credit=2,
+                      heldout=False).encode()
+        if len(frame) >= size or ranges > size:
+            return frame
+        ranges += max(1, (size - len(frame)) // 7)
+
+
+def hello_flood(endpoint: str, threads: int, size: int, seconds: float, every_s: float = 0.1) -> dict[str, Any]:
+    """`threads` connections re-sending one `size`-byte HELLO each for `seconds`; a status probe every 0.1 s."""
+    halt, sent = threading.Event(), [0] * threads
+    frame = big_hello(size)
+
+    def spam(i: int) -> None:
+        chan = DealerChannel(endpoint, hwm=4)
+        try:
+            while not halt.is_set():
+                if chan.socket.poll(100, zmq.POLLOUT):
+                    chan.socket.send(frame, zmq.NOBLOCK)
+                    sent[i] += 1
+                chan.poll(0)   # read (and drop) the answers
+        finally:
+            chan.close()
+
+    workers = [threading.Thread(target=spam, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    latencies, deadline = [], time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            latencies.append(probe_s(endpoint))
+            time.sleep(every_s)
+    finally:
+        halt.set()
+        for w in workers:
+            w.join(10)
+    answered = [s for s in latencies if s != float("inf")]
+    return {"hello_bytes": len(frame), "hellos_sent": sum(sent), "probes": len(latencies),
+            "timeouts": len(latencies) - len(answered),
+            **{f"probe_{name}_s": round(quantile(answered, q), 3) if answered else None
+               for name, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repo", default=REPO, help="checkout whose `python -m dfpipe target-server` runs")
@@ -140,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2000, help="status requests queued per connection")
     p.add_argument("--frame-connections", type=int, default=12)
     p.add_argument("--frame-seconds", type=float, default=8.0)
+    p.add_argument("--hello-threads", type=int, default=10)
+    p.add_argument("--hello-bytes", type=int, default=143_000)
+    p.add_argument("--hello-seconds", type=float, default=60.0)
+    p.add_argument("--phases", default="requests,frames",
+                   help="comma-separated, in this order: requests, frames, hellos (default: requests,frames)")
     args = p.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="dfflood-", dir="/tmp")
     config, cfg = write_config(workdir, samples=40, cache_dir=os.path.join(REPO, ".cache", "dfpipe-tests"), seed=0)
@@ -156,8 +218,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the target server did not start: see {workdir}/target.log")
             time.sleep(0.5)
         pinger.start()
-        out: dict[str, Any] = {"repo": args.repo, "requests": request_flood(endpoint, args.connections, args.requests)}
-        out["frames"] = frame_flood(target.pid, endpoint, args.frame_connections, (1 << 20) - 64, args.frame_seconds)
+        phases = set(args.phases.split(","))
+        out: dict[str, Any] = {"repo": args.repo}
+        if "requests" in phases:
+            out["requests"] = request_flood(endpoint, args.connections, args.requests)
+        if "frames" in phases:
+            out["frames"] = frame_flood(target.pid, endpoint, args.frame_connections, (1 << 20) - 64,
+                                        args.frame_seconds)
+        if "hellos" in phases:
+            out["hellos"] = hello_flood(endpoint, args.hello_threads, args.hello_bytes, args.hello_seconds)
+            out["hellos"]["status_after"] = {k: v for k, v in (try_status(endpoint) or {}).items()
+                                             if k in ("receive", "bad_messages", "refused")}
     finally:
         pinger.halt.set()
         if target.poll() is None:

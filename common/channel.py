@@ -36,8 +36,17 @@ configured client key).
 
 What a peer can make a channel hold is bounded before anything is decoded: libzmq drops the
 connection of a peer whose frame is larger than `max_bytes` (MAXMSGSIZE) before buffering it,
-queues at most RCV_HWM frames per connection (then stops reading it: the sender waits), and one
-`poll` takes at most DRAIN_BYTES of frames (the rest wait in libzmq's queues).
+queues at most RCV_HWM frames per connection (ROUTER_RCV_HWM on a server's ROUTER; then stops
+reading it: the sender waits) besides the one it is reading, and one `poll` takes at most
+DRAIN_BYTES of frames (the rest wait in libzmq's queues). A server therefore holds at most
+(ROUTER_RCV_HWM + 1) x max_bytes per open connection plus DRAIN_BYTES (`receive_bound`): 3 MiB a
+connection at the defaults (issue 47: 100 connections of near-limit frames).
+
+A peer re-sending the same large frame (at least REPEAT_BYTES: a HELLO with a long `have` set) is
+not decoded again within REPEAT_S of the last one taken: a repeat carries the same rid, so the
+answer to the first is the answer to it; dropped and counted (`repeats`). Decoding a 143 KB HELLO
+costs ~25 ms, and 10 connections re-sending one kept `status` waiting seconds. A trainer never
+sends the same frame twice (every HELLO has a new rid) and `request()` retries on a new connection.
 
 No connection starves another, however much it queued: a ROUTER takes frames from its connections
 round-robin, one frame per connection in turn (libzmq's fair queueing), and one `poll` takes at
@@ -62,6 +71,7 @@ import socket as pysocket
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,7 +86,12 @@ from common.trust import Peer, Untrusted, folder_problem, listener, own_folder, 
 log = logging.getLogger("dfpipe.channel")
 
 DEFAULT_HWM = 1000               # frames queued for sending (per peer)
-RCV_HWM = 8                      # frames libzmq queues per connection on receiving: at most ~10 MiB a peer
+RCV_HWM = 8                      # frames libzmq queues per connection on receiving (a DEALER: one peer)
+# A ROUTER's: a server has as many connections as peers open, so what one may queue is what the
+# server holds per connection (issue 47: 100 connections of 1 MiB frames at RCV_HWM held ~1 GB).
+ROUTER_RCV_HWM = 2               # (1 stalls CURVE handshakes: test_curve_lets_in_the_configured_client_key_only)
+REPEAT_BYTES = 16 << 10          # a frame at least this large, the same as the peer's last one ...
+REPEAT_S = 1.0                   # ... taken less than this long ago, is dropped before decoding (`repeats`)
 # frames taken per poll(): what a loop answers before it looks at its connections again. A turn
 # of 1000 status requests (~1 ms each on a loaded 2-core host) kept a newcomer waiting a second.
 MAX_DRAIN = 32
@@ -398,10 +413,10 @@ def _malloc_trim() -> None:
         pass
 
 
-def _common_options(sock: zmq.Socket, hwm: int, max_bytes: int) -> None:
+def _common_options(sock: zmq.Socket, hwm: int, max_bytes: int, rcv_hwm: int = RCV_HWM) -> None:
     sock.setsockopt(zmq.LINGER, 0)  # a closing service must never wait for an absent peer
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    sock.setsockopt(zmq.RCVHWM, rcv_hwm)
     # before buffering: a peer whose frame is larger is disconnected (frames of the protocol's own
     # messages are never larger: `Message.encode` refuses to build them)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
@@ -430,7 +445,7 @@ def bind_router(endpoint: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESS
         _refuse_live_ipc(endpoint, path)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     try:
-        _common_options(sock, hwm, max_bytes)
+        _common_options(sock, hwm, max_bytes, ROUTER_RCV_HWM)
         if curve is not None:
             curve.apply_server(sock)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -496,6 +511,7 @@ class _Channel:
         self._window_start = 0.0  # monotonic start of the current QUIET_S window of taken bytes
         self._window_bytes = 0    # bytes taken since _window_start
         self._last_busy = 0.0     # monotonic time a window last reached QUIET_BYTES (a flood was on)
+        self.peak_drain_bytes = 0  # the most bytes of frames one poll held before decoding (<= DRAIN_BYTES + 1 frame)
         # ipc:// only: the kernel's credentials of each sender of the last drain, by identity (`sender`)
         self.senders: dict[bytes, Peer] = {}
 
@@ -521,6 +537,7 @@ class _Channel:
             if taken >= DRAIN_BYTES:
                 break
         if taken:
+            self.peak_drain_bytes = max(self.peak_drain_bytes, taken)
             self._note_taken(taken, time.monotonic())
         return out
 
@@ -605,16 +622,42 @@ class RouterChannel(_Channel):
         path = _ipc_path(self.endpoint)
         # Remember which socket file is ours so close() removes it, and only it (libzmq leaves it).
         self._ipc_inode = (path, os.stat(path).st_ino) if path and os.path.exists(path) else None
+        self.repeats = 0          # large frames dropped undecoded as a peer's repeat (module docstring)
+        self._last_large: dict[bytes, tuple[int, int, float]] = {}   # peer -> (size, digest, taken at)
+
+    def receive_bound(self, connections: int) -> int:
+        """Bytes of received frames this channel may hold with `connections` connections open."""
+        return connections * (ROUTER_RCV_HWM + 1) * self.max_bytes + DRAIN_BYTES + self.max_bytes
+
+    def _repeat(self, peer: bytes, payload: bytes, now: float) -> bool:
+        """True (counted) when `payload` is a large frame the same as `peer`'s last one taken within REPEAT_S."""
+        if len(payload) < REPEAT_BYTES:
+            return False
+        digest = zlib.crc32(payload)   # GB/s: a 1 MiB frame costs a fraction of its decoding
+        last = self._last_large.get(peer)
+        if last is not None and last[0] == len(payload) and last[1] == digest and now - last[2] < REPEAT_S:
+            self.repeats += 1
+            if self.repeats <= _LOG_FIRST or self.repeats % 1000 == 0:
+                log.warning("dropped a repeat of %r's last %d-byte message (#%d): decoded once a %g s", peer,
+                            len(payload), self.repeats, REPEAT_S)
+            return True
+        if len(self._last_large) >= 4096:   # peers on fresh connections: forget what is past REPEAT_S
+            self._last_large = {p: v for p, v in self._last_large.items() if now - v[2] < REPEAT_S}
+        self._last_large[peer] = (len(payload), digest, now)
+        return False
 
     def poll(self, timeout_s: float) -> list[tuple[bytes, Message]]:
         """Wait up to timeout_s for traffic, then take the pending frames (up to MAX_DRAIN, taken
         round-robin over the connections: call again for the rest).
         Returns (peer identity, message) pairs in arrival order; bad frames are counted, dropped."""
         out: list[tuple[bytes, Message]] = []
+        now = time.monotonic()
         for frames in self._drain(timeout_s):
             peer = frames[0]
             if len(frames) != 2:
                 self._bad("framing", f"{len(frames) - 1} payload frames, expected 1", peer)
+                continue
+            if self._repeat(peer, frames[1], now):
                 continue
             msg = self._decode(frames[1], peer)
             if msg is not None:

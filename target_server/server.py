@@ -44,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from common.channel import CurveKeys, RouterChannel
+from common.channel import DRAIN_BYTES, ROUTER_RCV_HWM, CurveKeys, RouterChannel
 from common.config import Config, ConfigError
 from common.exits import EXIT_FAILED, EXIT_OK, EXIT_UNTRUSTED
 from common.liveness import LockHeld, RoleLock, pid_alive
@@ -272,6 +272,12 @@ class TargetServer:
             "finished": events.get("finished", 0),
             "bad_messages": bad_messages,
             "foreign_messages": self.channel.bad_messages["foreign_uid"] if self.channel else 0,
+            # what peers can make the loop hold (common/channel.py): at most (rcv_hwm + 1) frames of
+            # max_message_bytes per connection in libzmq, and drain_bytes (+ one frame) taken per poll
+            "receive": {"rcv_hwm": ROUTER_RCV_HWM, "max_message_bytes": self.cfg.service.max_message_bytes,
+                        "drain_bytes": DRAIN_BYTES,
+                        "peak_drain_bytes": self.channel.peak_drain_bytes if self.channel else 0,
+                        "repeats": self.channel.repeats if self.channel else 0},
             "ring_files_removed": self.ring_files_removed,
             "epochs_packed": self.planner.known if self.planner else 0,
             "refused": dict(core.refused) if core else {},
@@ -428,7 +434,8 @@ class TargetServer:
                             break
                 self._check_workers()
                 if self.channel.socket in events:
-                    for peer, msg in self.channel.poll(0):
+                    # control first: a `dfpipe ctl` request waits for no HELLO or ACK of the same poll
+                    for peer, msg in sorted(self.channel.poll(0), key=lambda pm: not isinstance(pm[1], Control)):
                         self._dispatch(peer, msg)
                 now = time.monotonic()
                 for stream, seq, reason in self.dispatcher.quarantined_news():

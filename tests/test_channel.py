@@ -1,22 +1,27 @@
 """ROUTER/DEALER channels over real sockets: messages flow, bad frames are dropped, no wait is unbounded."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 import zmq.auth
 
 from common import channel as channel_module
-from common.channel import (DRAIN_BYTES, MAX_DRAIN, QUIET_S, RCV_HWM, TRIM_BYTES, ChannelError, CurveKeys,
+from common.channel import (DRAIN_BYTES, MAX_DRAIN, QUIET_S, RCV_HWM, REPEAT_BYTES, REPEAT_S, ROUTER_RCV_HWM,
+                            TRIM_BYTES, ChannelError, CurveKeys,
                             DealerChannel, RequestTimeout, RouterChannel, check_ipc_server, is_loopback,
                             make_curve_keys, request)
 from common.config import Config, run_tag
@@ -528,23 +533,101 @@ def test_messages_of_another_user_are_dropped_counted_and_logged(sock_dir: str,
 
 def test_receiving_is_bounded_in_bytes_before_anything_is_decoded(sock_dir: str) -> None:
     router = RouterChannel(f"ipc://{sock_dir}/s.sock", max_bytes=2 << 20)
-    dealer = DealerChannel(router.endpoint, max_bytes=2 << 20)
+    sent = DRAIN_BYTES // (1 << 20) + 4
+    dealers = [DealerChannel(router.endpoint, max_bytes=2 << 20) for _ in range(sent)]
     try:
-        for sock in (router.socket, dealer.socket):
+        for sock in (router.socket, dealers[0].socket):
             assert sock.getsockopt(zmq.MAXMSGSIZE) == 2 << 20, "a larger frame is never buffered"
-            assert sock.getsockopt(zmq.RCVHWM) == RCV_HWM
-        sent = DRAIN_BYTES // (1 << 20) + 4
-        for _ in range(sent):
+        assert router.socket.getsockopt(zmq.RCVHWM) == ROUTER_RCV_HWM
+        assert dealers[0].socket.getsockopt(zmq.RCVHWM) == RCV_HWM
+        for dealer in dealers:
             dealer.socket.send(bytes(1 << 20))
-        time.sleep(0.5)                                      # as many as the server's queue takes arrive
+        time.sleep(0.5)                                      # as many as the server's queues take arrive
         taken = len(router._drain(1.0))
         assert taken == DRAIN_BYTES // (1 << 20), "one poll holds at most DRAIN_BYTES of frames"
+        assert DRAIN_BYTES <= router.peak_drain_bytes < DRAIN_BYTES + 1024   # and the identity frames
         deadline = time.monotonic() + 5
         while taken < sent and time.monotonic() < deadline:   # the rest waited in the queues: none lost
             taken += len(router._drain(0.1))
         assert taken == sent
     finally:
-        dealer.close()
+        for dealer in dealers:
+            dealer.close()
+        router.close()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_a_server_holds_at_most_its_receive_bound_whatever_a_flood_of_connections_sends(sock_dir: str) -> None:
+    """20 connections sending frames just under the limit to a server that does not read (its loop
+    busy): libzmq holds ROUTER_RCV_HWM + 1 frames a connection and stops reading the rest, so this
+    process grows by at most `receive_bound(20)` (69 MiB at 1 MiB frames; at RCV_HWM 8 a connection,
+    the old bound, it held ~180 MiB). Bytes, not seconds: a slow host only sends less."""
+    connections, size = 20, (1 << 20) - 64
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    assert router.receive_bound(connections) == connections * (ROUTER_RCV_HWM + 1) * (1 << 20) + DRAIN_BYTES + (1 << 20)
+    flooder = subprocess.Popen([sys.executable, str(Path(__file__).parent / "flood.py"), router.endpoint,
+                                str(connections), str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        idle, peak = _rss_anon(), 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            peak = max(peak, _rss_anon() - idle)
+            time.sleep(0.05)
+        sent = json.loads(flooder.communicate(timeout=60)[0])
+        assert sent["frames"] >= connections * (ROUTER_RCV_HWM + 1), f"not a flood: {sent}"
+        assert peak <= router.receive_bound(connections) - DRAIN_BYTES, (peak >> 20, sent)
+        got = 0
+        while router._drain(0.5):                             # what was held is there to take, then nothing
+            got += 1
+        assert 0 < got <= connections * (ROUTER_RCV_HWM + 1), got
+    finally:
+        if flooder.poll() is None:
+            flooder.kill()
+            flooder.wait()
+        router.close()
+
+
+def test_a_peer_re_sending_the_same_large_frame_is_decoded_once_a_repeat_window(sock_dir: str) -> None:
+    """A HELLO with a long `have` set (~25 ms to decode at 143 KB) re-sent as fast as the queues take
+    it: dropped undecoded (counted) within REPEAT_S of the one taken; another peer's, a different
+    one, a small one and the same one after REPEAT_S are all taken."""
+    router = RouterChannel(f"ipc://{sock_dir}/s.sock")
+    a, b = DealerChannel(router.endpoint, identity=b"a"), DealerChannel(router.endpoint, identity=b"b")
+
+    def hello(rid: int) -> Hello:
+        return Hello(rid=rid, job="j", secret="a" * 32, rank=0, world=1, pid=1, start_time=0,
+                     have=SeqSet(range(0, 20_000, 2)), epochs=1, credit=2, heldout=False)
+
+    def take(expected: int) -> list[tuple[bytes, Message]]:
+        got: list[tuple[bytes, Message]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < expected and time.monotonic() < deadline:
+            got += router.poll(0.1)
+        got += router.poll(0.3)                               # and nothing more
+        return got
+
+    try:
+        big = hello(1)
+        assert len(big.encode()) >= REPEAT_BYTES
+        small = Control(rid=2, cmd="status", args={})
+        for _ in range(5):
+            assert a.send(big) and a.send(small)
+        assert b.send(big) and a.send(hello(3))
+        got = take(8)
+        assert sorted((p, m.rid) for p, m in got if isinstance(m, Hello)) == [(b"a", 1), (b"a", 3), (b"b", 1)], got
+        assert sum(isinstance(m, Control) for _, m in got) == 5, "small frames are never taken for repeats"
+        assert router.repeats == 4
+        time.sleep(REPEAT_S)
+        assert a.send(hello(3))
+        assert [m.rid for _, m in take(1)] == [3], "the same frame once REPEAT_S passed"
+    finally:
+        a.close()
+        b.close()
         router.close()
 
 
@@ -559,8 +642,8 @@ def test_memory_goes_back_once_a_flood_has_been_quiet_not_while_it_lasts(sock_di
     try:
         frames = TRIM_BYTES // (1 << 20) + 2
         taken = 0
-        for _ in range(frames):
-            dealer.socket.send(bytes(1 << 20))
+        for i in range(frames):
+            dealer.socket.send(i.to_bytes(4, "big") + bytes((1 << 20) - 4))   # not repeats (REPEAT_S)
             taken += len(router.poll(0.5)) + router.bad_messages.total()   # raw bytes: counted as bad
             router.bad_messages.clear()
         assert taken == frames
