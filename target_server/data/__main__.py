@@ -1,5 +1,3 @@
-import sys
-
 from target_server.data.cli import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -125,6 +125,103 @@ def _publish(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_arguments(source_path: str, max_len: int, overlong: str, row_format: str, max_row_bytes: int,
+                     max_bad_share: float) -> None:
+    """DataError for a setting prepare-data cannot work with, or a missing input."""
+    if overlong not in OVERLONG_POLICIES:
+        raise DataError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
+    if max_len < 2:
+        raise DataError(f"max_len must be at least 2 tokens, got {max_len}")
+    if row_format != "auto" and row_format not in ROW_FORMATS:
+        raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
+    if max_row_bytes < 1:
+        raise DataError(f"max_row_bytes must be at least 1, got {max_row_bytes}")
+    if not 0 <= max_bad_share <= 1:
+        raise DataError(f"max_bad_share must be a share of the rows, 0 to 1, got {max_bad_share}")
+    if not os.path.isfile(source_path):
+        raise DataError(f"input file not found: {source_path}")
+
+
+class _Progress:
+    """Rows read: a bar on a terminal; in a log file (a target server preparing at start) a line every 30 s."""
+
+    def __init__(self, total: int) -> None:
+        self.bar = tqdm(total=total, unit="row", desc="prepare-data", dynamic_ncols=True, disable=None)
+        self.lines = ProgressLines("prepare-data", "rows", total) if self.bar.disable else None
+        self.reached = 0   # the last row (line) number read
+
+    def reach(self, line: int) -> None:
+        if line > self.reached:
+            self.bar.update(line - self.reached)
+            if self.lines is not None:
+                self.lines.update(line - self.reached)
+            self.reached = line
+
+
+def _rendered_batches(rows: ChatRows, renderer: _Renderer, report: PrepareReport, progress: _Progress,
+                      max_row_bytes: int) -> Iterator[list[tuple[int, list[View] | str]]]:
+    """The rows rendered, in batches to tokenize together (a batch of long rows is smaller). Rows reach
+    the report in file order: a bad row ends the batch before it, and is listed once that is taken."""
+    pending: list[tuple[int, list[View] | str]] = []
+    pending_chars = 0
+    for line, conversation, reason in rows:
+        report.rows += 1
+        progress.reach(line)
+        if conversation is None:
+            yield pending
+            pending, pending_chars = [], 0
+            report.bad.append((line, reason))
+            continue
+        views = renderer.views(conversation)
+        pending.append((line, views))
+        pending_chars += 0 if isinstance(views, str) else sum(len(text) for text, _ in views)
+        if len(pending) >= _ENCODE_BATCH or pending_chars > max_row_bytes:
+            yield pending
+            pending, pending_chars = [], 0
+    yield pending
+
+
+class _Folder:
+    """The prepared folder being written in `tmp`: each row's documents in row order, then the arrays' ends."""
+
+    def __init__(self, tmp: str, report: PrepareReport) -> None:
+        self.tmp, self.report = tmp, report
+        self.writers = {name: _ArrayWriter(os.path.join(tmp, f"{name}.npy"), ARRAYS[name])
+                        for name in ("input_ids", "loss_mask")}
+        self.offsets, self.sample_ids = [0], []
+        self.max_token_id = -1
+
+    def add(self, encoded: list[tuple[int, list[View] | str, list[_Encoded] | str]], max_len: int,
+            overlong: str) -> None:
+        """Tokenized rows: each row's documents under the overlong policy, or the row listed as bad."""
+        report = self.report
+        for line, views, encoding in encoded:
+            docs = encoding if isinstance(encoding, str) else _documents(encoding, max_len, overlong, report)
+            if isinstance(docs, str):
+                report.bad.append((line, docs))
+                continue
+            report.kept += 1
+            report.multi_view += len(views) > 1
+            for ids, mask in docs:
+                self.writers["input_ids"].append(ids)
+                self.writers["loss_mask"].append(mask)
+                self.offsets.append(self.offsets[-1] + len(ids))
+                self.sample_ids.append(line - 1)
+                report.loss_tokens += int(mask.sum())
+                self.max_token_id = max(self.max_token_id, int(ids.max()))
+
+    def finish(self) -> None:
+        """The arrays completed and the bad rows listed (meta.json is the caller's)."""
+        for w in self.writers.values():
+            w.finish()
+        np.save(os.path.join(self.tmp, "offsets.npy"), np.asarray(self.offsets, dtype=ARRAYS["offsets"]))
+        np.save(os.path.join(self.tmp, "sample_ids.npy"), np.asarray(self.sample_ids, dtype=ARRAYS["sample_ids"]))
+        self.report.documents, self.report.tokens = len(self.sample_ids), self.offsets[-1]
+        with open(os.path.join(self.tmp, "bad_rows.jsonl"), "w", encoding="utf-8") as f:
+            for line, reason in self.report.bad:
+                f.write(json.dumps({"line": line, "sample_id": line - 1, "reason": reason}) + "\n")
+
+
 def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: int, overlong: str = "truncate",
                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                  row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes,
@@ -140,18 +237,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
     nothing written); a missing input, an unusable tokenizer or
     template, bad arguments or a source without one usable row raise DataError.
     """
-    if overlong not in OVERLONG_POLICIES:
-        raise DataError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
-    if max_len < 2:
-        raise DataError(f"max_len must be at least 2 tokens, got {max_len}")
-    if row_format != "auto" and row_format not in ROW_FORMATS:
-        raise DataError(f"format must be auto or one of {', '.join(ROW_FORMATS)}, got {row_format!r}")
-    if max_row_bytes < 1:
-        raise DataError(f"max_row_bytes must be at least 1, got {max_row_bytes}")
-    if not 0 <= max_bad_share <= 1:
-        raise DataError(f"max_bad_share must be a share of the rows, 0 to 1, got {max_bad_share}")
-    if not os.path.isfile(source_path):
-        raise DataError(f"input file not found: {source_path}")
+    _check_arguments(source_path, max_len, overlong, row_format, max_row_bytes, max_bad_share)
     out_dir = os.path.normpath(out_dir)
     tokenizer = _load_tokenizer(tokenizer_dir)
     template = _resolve_template(tokenizer, chat_template, tokenizer_dir)
@@ -166,74 +252,22 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
     tmp = _prepare_out_dir(out_dir)
     report = PrepareReport()
-    writers = {name: _ArrayWriter(os.path.join(tmp, f"{name}.npy"), ARRAYS[name]) for name in ("input_ids", "loss_mask")}
-    offsets, sample_ids = [0], []
-    max_token_id = -1
-
-    def flush(pending: list[tuple[int, list[View] | str]]) -> None:
-        nonlocal max_token_id
-        for line, views, encoded in _encode_rows(tokenizer, pending, keep, cap):
-            docs = encoded if isinstance(encoded, str) else _documents(encoded, max_len, overlong, report)
-            if isinstance(docs, str):
-                report.bad.append((line, docs))
-                continue
-            report.kept += 1
-            report.multi_view += len(views) > 1
-            for ids, mask in docs:
-                writers["input_ids"].append(ids)
-                writers["loss_mask"].append(mask)
-                offsets.append(offsets[-1] + len(ids))
-                sample_ids.append(line - 1)
-                report.loss_tokens += int(mask.sum())
-                max_token_id = max(max_token_id, int(ids.max()))
-        pending.clear()
-
-    total = source_row_count(source_path)
-    # a bar on a terminal; in a log file (a target server preparing at start) a line every 30 s
-    bar = tqdm(total=total, unit="row", desc="prepare-data", dynamic_ncols=True, disable=None)
-    lines = ProgressLines("prepare-data", "rows", total) if bar.disable else None
-    reached = 0   # the last row (line) number read
+    folder = _Folder(tmp, report)
+    progress = _Progress(source_row_count(source_path))
     try:
-        pending: list[tuple[int, list[View] | str]] = []   # rendered rows waiting to be tokenized together
-        pending_chars = 0
-        for line, conversation, reason in rows:
-            report.rows += 1
-            if line > reached:
-                bar.update(line - reached)
-                if lines is not None:
-                    lines.update(line - reached)
-                reached = line
-            if conversation is None:
-                # Rows reach the report in file order: flush what is pending before this one.
-                flush(pending)
-                pending_chars = 0
-                report.bad.append((line, reason))
-                continue
-            views = renderer.views(conversation)
-            pending.append((line, views))
-            pending_chars += 0 if isinstance(views, str) else sum(len(text) for text, _ in views)
-            if len(pending) >= _ENCODE_BATCH or pending_chars > max_row_bytes:  # a batch of long rows is smaller
-                flush(pending)
-                pending_chars = 0
-        flush(pending)
+        for batch in _rendered_batches(rows, renderer, report, progress, max_row_bytes):
+            folder.add(_encode_rows(tokenizer, batch, keep, cap), max_len, overlong)
         if report.kept == 0:
             raise DataError(no_usable_rows(source_path, report))
         report.check_bad_share(source_path, max_bad_share)
-        for w in writers.values():
-            w.finish()
-        np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=ARRAYS["offsets"]))
-        np.save(os.path.join(tmp, "sample_ids.npy"), np.asarray(sample_ids, dtype=ARRAYS["sample_ids"]))
-        report.documents, report.tokens = len(sample_ids), offsets[-1]
-        with open(os.path.join(tmp, "bad_rows.jsonl"), "w", encoding="utf-8") as f:
-            for line, reason in report.bad:
-                f.write(json.dumps({"line": line, "sample_id": line - 1, "reason": reason}) + "\n")
+        folder.finish()
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "source": os.path.abspath(source_path), "source_sha256": source_sha256, "source_format": rows.format,
             "tokenizer": os.path.abspath(tokenizer_dir), "tokenizer_sha256": tokenizer_digest(tokenizer_dir),
             "chat_template": template, "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
             "chat_template_kwargs": kwargs,
-            "vocab_size": len(tokenizer), "max_token_id": max_token_id,
+            "vocab_size": len(tokenizer), "max_token_id": folder.max_token_id,
             "max_len": max_len, "overlong": overlong, "max_row_bytes": max_row_bytes,
             "num_documents": report.documents, "num_tokens": report.tokens, "num_loss_tokens": report.loss_tokens,
             "arrays": {name: dt.str for name, dt in ARRAYS.items()},
@@ -246,7 +280,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        bar.close()
+        progress.bar.close()
     return report
 
 
