@@ -65,6 +65,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgpack
 
+from common.errors import ProtocolError
 from common.seqset import SeqSet
 
 PROTOCOL_VERSION = 6             # 2: hello.heldout, welcome.heldout_batches, announce.heldout
@@ -107,18 +108,6 @@ _short.maxstring = 40
 _short.maxother = 40
 _short.maxlist = 4
 _short.maxdict = 4
-
-
-class ProtocolError(ValueError):
-    """A frame or message that breaks the protocol.
-
-    `code` is a short stable category for counters ("too_large", "not_msgpack", "not_a_map",
-    "version", "type", "keys", "field", "context", "framing"); the message says what exactly.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _field_error(where: str, why: str, value: Any = dataclasses.MISSING) -> ProtocolError:

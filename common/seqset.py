@@ -20,6 +20,8 @@ import bisect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from common.errors import ProtocolError
+
 SEQ_LIMIT = 1 << 63          # exclusive upper bound of a seq (msgpack / int64)
 DEFAULT_MAX_RANGES = 1 << 16  # a wire set with more runs than this is refused
 
@@ -222,9 +224,6 @@ class SeqSet:
     def from_wire(cls, obj: Any, max_ranges: int = DEFAULT_MAX_RANGES) -> "SeqSet":
         """Parse [[a, b], ...] from a peer; strict: ProtocolError unless sorted, disjoint, a < b,
         within [0, 2**63], exact ints, and at most `max_ranges` runs. Touching runs are merged."""
-        # protocol.py imports this module, so the error type is imported here to avoid the cycle.
-        from common.protocol import ProtocolError
-
         def bad(why: str) -> ProtocolError:
             return ProtocolError("field", f"seq set: {why}")
 

@@ -11,6 +11,7 @@ from common.config import Config, ConfigError, load_config
 from common.exits import EXIT_CONFIG, EXIT_UNTRUSTED, as_supervised
 from common.preflight import UntrustedConfig
 from common.liveness import stop_with_launcher
+from dfpipe.cpu_fla import quiet_fla_on_cpu
 from target_server.data import add_arguments as add_prepare_arguments
 
 DEFAULT_CONFIG = os.environ.get("DFPIPE_CONFIG", "")
@@ -36,13 +37,13 @@ def _print(obj: Any, as_json: bool) -> None:
 
 
 def cmd_target_server(args: argparse.Namespace) -> int:
-    _quiet_fla_on_cpu()
+    quiet_fla_on_cpu()
     from target_server.server import main
     return main(_config(args))
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    _quiet_fla_on_cpu()
+    quiet_fla_on_cpu()
     from drafter_trainer.train import main
     return main(_config(args))
 
@@ -151,17 +152,6 @@ def cmd_make_toy_target(args: argparse.Namespace) -> int:
 def cmd_quantize_fp8(args: argparse.Namespace) -> int:
     from .quantize_fp8 import main as quantize_main
     return quantize_main(args)
-
-
-def _quiet_fla_on_cpu() -> None:
-    """On a machine without CUDA, keep FLA/causal-conv1d out so transformers runs its torch path."""
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            for mod in ("fla", "causal_conv1d"):
-                sys.modules.setdefault(mod, None)  # type: ignore[arg-type]
-    except ImportError:
-        pass
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dfpipe.cpu_fla import quiet_fla_on_cpu
 from target_server import fp8
 
 log = logging.getLogger(__name__)
@@ -615,9 +616,7 @@ def main(args: argparse.Namespace) -> int:
     """`dfpipe eval`: args.target, drafter, prompts, block_size (0: the drafter's), max_new_tokens, limit,
     device, json. Exit 0 when lossless, 1 on any mismatch, 2 on unusable inputs (a drafter that does
     not fit the target included)."""
-    from .cli import _quiet_fla_on_cpu
-
-    _quiet_fla_on_cpu()
+    quiet_fla_on_cpu()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.max_new_tokens < 1:

@@ -55,7 +55,7 @@ class RegenerateError(Exception):
 # ---------------------------------------------------------------------------------------------
 # Input rows -> OpenAI messages.
 # MINIMAL NORMALISER, local to this command: OpenAI `messages` and ShareGPT `conversations` only.
-# Replace with the shared reader of target_server/data.py once prepare-data offers one.
+# Replace with the shared reader of target_server/data/ (chats.py) once prepare-data offers one.
 # ---------------------------------------------------------------------------------------------
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

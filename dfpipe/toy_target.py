@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from dfpipe.cpu_fla import quiet_fla_on_cpu
 from dfpipe.eval import TargetModel, chat_prompt_turns, first_difference, greedy_decode, stop_token_ids
 from target_server import toy_corpus
 from target_server.tiny import build_tiny_target
@@ -377,9 +378,7 @@ def read_report(target_dir: str) -> dict[str, Any] | None:
 
 def main(args: argparse.Namespace) -> int:
     """`dfpipe make-toy-target`: args.out, args.minutes, args.seed."""
-    from .cli import _quiet_fla_on_cpu
-
-    _quiet_fla_on_cpu()
+    quiet_fla_on_cpu()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         report = make_toy_target(args.out, minutes=args.minutes, seed=args.seed,

@@ -17,7 +17,7 @@ an entry for it. The chat template is Qwen's ChatML shape; each assistant turn's
 `apply_chat_template(..., return_assistant_tokens_mask=True, return_dict=True)` yields the loss
 mask (the `<|im_end|>` is in the mask: the drafter learns where an answer stops; the
 `<|im_start|>assistant\\n` header before it and the newline after it are not). prepare-data does
-not need the markers (it derives the mask by rendering, target_server/data.py); on this template
+not need the markers (it derives the mask by rendering, target_server/data/chats.py); on this template
 both give the same mask (tests/test_chat_formats.py).
 
 Building is deterministic: the same code gives byte-identical files.

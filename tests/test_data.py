@@ -452,7 +452,7 @@ def test_ensure_prepared_prepares_a_chat_file_once_then_reuses_it(tmp_path, monk
 
     def no_second_preparation(*args, **kwargs):
         raise AssertionError("prepared again")
-    monkeypatch.setattr(data, "prepare_data", no_second_preparation)
+    monkeypatch.setattr(data.prepare, "prepare_data", no_second_preparation)
     assert ensure_prepared(cfg).path == first.path
     # A prepared folder is opened as it is.
     cfg.data.train_path = first.path

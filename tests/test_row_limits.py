@@ -170,7 +170,7 @@ def _views(tokenizer) -> list:
 
 
 def test_a_cut_view_keeps_exactly_the_ids_and_mask_of_the_whole_view(tokenizer, monkeypatch):
-    monkeypatch.setattr(data, "_CHARS_PER_TOKEN", 1)   # cut as short as it goes: at every place it can fall
+    monkeypatch.setattr(data.chats, "_CHARS_PER_TOKEN", 1)   # cut as short as it goes: at every place it can fall
     cuts = 0
     for view in _views(tokenizer):
         (whole,) = data._encode_views(tokenizer, [view], None)
@@ -207,7 +207,7 @@ def _other_tokenizer(pre_tokenizer: str):
 @pytest.mark.parametrize("pre_tokenizer", ["metaspace", "whitespace", "none"])
 def test_the_cut_is_exact_with_other_pre_tokenizers_and_without_one(monkeypatch, pre_tokenizer):
     other, demo = _other_tokenizer(pre_tokenizer)
-    monkeypatch.setattr(data, "_CHARS_PER_TOKEN", 1)
+    monkeypatch.setattr(data.chats, "_CHARS_PER_TOKEN", 1)
     cuts = 0
     for view in _views(demo):
         (whole,) = data._encode_views(other, [view], None)
@@ -239,7 +239,7 @@ def test_prepare_data_cut_and_uncut_write_the_same_folder(tmp_path, monkeypatch,
     src = _write_lines(tmp_path / "rows.jsonl", rows)
     reports = {}
     for name, chars_per_token in (("uncut", 10**9), ("cut", 1)):
-        monkeypatch.setattr(data, "_CHARS_PER_TOKEN", chars_per_token)
+        monkeypatch.setattr(data.chats, "_CHARS_PER_TOKEN", chars_per_token)
         reports[name] = prepare_data(src, DEMO_TOKENIZER, str(tmp_path / name), max_len=48, overlong=overlong,
                                      max_bad_share=1.0)   # under skip most rows are too long, on purpose
     uncut, cut = _arrays(tmp_path / "uncut"), _arrays(tmp_path / "cut")

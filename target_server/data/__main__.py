@@ -1,0 +1,3 @@
+from target_server.data.cli import main
+
+raise SystemExit(main())
