@@ -1661,11 +1661,11 @@ def main(argv: list[str] | None = None) -> int:
         # small ops of the torch GDN path run ~3x slower with 2 OpenMP threads than with 1 (docs/benchmarks.md)
         torch.set_num_threads(1)
     else:
-        import torch._dynamo
+        import torch._dynamo as dynamo   # `import torch._dynamo` here would make torch local to main
 
         # a part steps one model on several attention paths and precisions (its A/Bs), each with
         # graphs of its own: past dynamo's default of 8 a layer would quietly run eager
-        torch._dynamo.config.recompile_limit = 64
+        dynamo.config.recompile_limit = 64
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else args.workdir
     ctx = Ctx(args=args, store=store, device=device, workdir=args.workdir, shm_dir=shm)
     store.update(lambda d: d["meta"].update(quick=args.quick, device=str(device), workdir=args.workdir,
