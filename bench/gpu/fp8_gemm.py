@@ -5,7 +5,7 @@ each timed with its activation quantization (what a BlockFp8Linear's forward cos
 
     python bench/gpu/fp8_gemm.py [--tokens 16384,4096] [--iters 20]    # one JSON line per shape and path
 
-part_fp8 (P8) runs it first and keeps the lines as its `fp8_gemm` figures.
+part fp8 (P8, parts/fp8.py) runs it first and keeps the lines as its `fp8_gemm` figures.
 """
 from __future__ import annotations
 

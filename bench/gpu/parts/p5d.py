@@ -1,0 +1,197 @@
+"""Part `p5d`: P5d, the drafter step at the published anchor density on the dataset's budget-size
+batches, in chunks of --p5d-chunks blocks (the first the headline); MFU from counted FLOPs, peak
+memory, tok/s, a kernel profile; with --p5d-baseline-attn the same step on another attention path,
+and P5f: the step in --p5d-other-precision (fp8) against the headline's, gradients compared.
+Result: P5d, P5f and the drafter-alone rate P6d and P7 price with."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.gpu import fixtures
+from bench.gpu.shared import Ctx, baseline_differs
+
+
+def part_p5d(ctx: Ctx) -> str:
+    """P5d: the drafter step at the published anchor density: the dataset's budget-size batches of
+    lognormal documents, up to --anchors anchors per document, the step's chunks of
+    --p5d-chunks blocks each (the first is the default, 0 = auto), the attention path and compile
+    mode the trainer uses on CUDA; MFU from counted FLOPs, peak memory, tok/s. The first size
+    listed (the trainer's default) is the headline and gives the drafter-alone rate P6d and P7 use,
+    and a kernel profile; the others are a sweep."""
+    from dataclasses import replace
+
+    from bench.gpu.drafter_rig import DrafterRig
+    from bench.trainer_bench import step_flops
+    from drafter_trainer.fp8 import fp8_supported
+    from drafter_trainer.loss import auto_blocks_per_chunk
+
+    a = ctx.args
+    dev = ctx.device
+    manifest = fixtures.read_manifest(ctx.workdir)
+    peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
+    if a.layer_compile_options:
+        from drafter_trainer import model as drafter_model
+        drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
+    rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
+                     attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
+    from drafter_trainer.model import resolve_attention
+    rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
+    work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
+    anchors = [blocks.num_blocks for _, blocks in work]
+    tokens = [batch.num_tokens for batch, _ in work]
+    numbers: dict[str, Any] = {"anchors_per_doc_max": a.anchors, "batches": len(work),
+                               "layer_compile_options": a.layer_compile_options,
+                               "anchors_per_batch": float(np.mean(anchors)), "tokens_per_batch": float(np.mean(tokens)),
+                               "docs_per_batch": float(np.mean([int(b.doc_lens.numel()) for b, _ in work])),
+                               "matmul_peak_tflops": peak, "attn": rig.model.attn_impl, "compiled": rig.model.compiled,
+                               "chunks": {}}
+    print(json.dumps(numbers), flush=True)
+    best = None
+    for chunk in [int(x) for x in a.p5d_chunks.split(",") if x != ""]:
+        per = chunk or auto_blocks_per_chunk(a.block)
+        rig.settings = replace(rig.settings, blocks_per_chunk=per)
+        t0 = time.perf_counter()
+        try:
+            # every batch once before timing: each new chunk shape may still compile once
+            times = rig.timed(work, max(a.p5_warmup, len(work)), a.p5d_steps)
+        except Exception as e:   # a chunk size that does not fit leaves the others measured
+            traceback.print_exc()
+            numbers["chunks"][str(per)] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rig.optimizer.zero_grad()
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+            continue
+        steps = [work[i % len(work)] for i in range(len(times))]
+        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, per) for b, bl in steps]
+        total_s = sum(times)
+        v = {"blocks_per_chunk": per, "step_s": float(np.median(times)), "step_s_all": times,
+             "anchors_s": sum(bl.num_blocks for _, bl in steps) / total_s,
+             "first_steps_s": time.perf_counter() - t0 - total_s,
+             "tok_s": sum(b.num_tokens for b, _ in steps) / total_s,
+             "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
+             "mfu": sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
+             "executed_mfu": sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
+             "gflop_per_token": sum(f["model_total"] for f in flops) / sum(b.num_tokens for b, _ in steps) / 1e9,
+             "flops_share": {k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
+                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")}}
+        if ctx.cuda:
+            v["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        numbers["chunks"][str(per)] = v
+        print("chunk", per, json.dumps({k: x for k, x in v.items() if k != "step_s_all"}), flush=True)
+        if best is None or v["tok_s"] > numbers["chunks"][str(best)]["tok_s"]:
+            best = per
+        ctx.store.figures("p5d", **numbers)
+    if best is None:
+        raise RuntimeError(f"every chunk size failed: {numbers['chunks']}")
+    # the headline is the first size listed (by default the trainer's own, auto); the others are a sweep
+    first = [str(int(x) or auto_blocks_per_chunk(a.block)) for x in a.p5d_chunks.split(",") if x != ""][0]
+    if "mfu" in numbers["chunks"].get(first, {}):
+        best = int(first)
+    numbers["fastest_chunk"] = max((k for k, v in numbers["chunks"].items() if "tok_s" in v),
+                                   key=lambda k: numbers["chunks"][k]["tok_s"])
+    chosen = numbers["chunks"][str(best)]
+    numbers.update({k: x for k, x in chosen.items() if k != "step_s_all"})
+    if ctx.cuda and a.p5_profile:
+        rig.settings = replace(rig.settings, blocks_per_chunk=best)
+        numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
+    if baseline_differs(rig, a.p5d_baseline_attn):
+        numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
+    numbers["precision"] = rig.model.precision
+    ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
+    # the rates later parts price with (P6d, P7), kept even if P5f below runs out of time
+    ctx.store.figures("p5d", drafter_alone_tok_s=chosen["tok_s"], drafter_alone_anchors_s=chosen["anchors_s"],
+                      drafter_alone_peak_mem_gb=chosen.get("peak_mem_gb"),
+                      drafter_gflop_per_token=chosen["gflop_per_token"], matmul_peak_tflops=peak, best_chunk=best,
+                      precision=rig.model.precision)
+    other = a.p5d_other_precision
+    if other == "fp8" and not (ctx.cuda and fp8_supported(dev.index or 0)):
+        ctx.store.benchmark("P5f", {}, {"not_measured": "no FP8 tensor cores here (compute capability < 8.9)"})
+        other = ""
+    if other and other != rig.model.precision:
+        p5f = p5d_other_precision(rig, work, best, a, peak, chosen)
+        fp8, bf16 = (p5f, chosen) if p5f["precision"].startswith("fp8") else (chosen, p5f)
+        ctx.store.figures("p5d", other_precision=p5f["precision"], drafter_other_tok_s=p5f["tok_s"])
+        ctx.store.benchmark("P5f", {"fp8_over_bf16_tok_s": fp8["tok_s"] / bf16["tok_s"],
+                                    "peak_mem_gb": fp8.get("peak_mem_gb"),
+                                    "grad_cosine_min": p5f["grad_cosine"]["min"]},
+                            {**p5f, "fp8_mfu": fp8["mfu"], "bf16_mfu": bf16["mfu"], "fp8_tok_s": fp8["tok_s"],
+                             "bf16_tok_s": bf16["tok_s"]})
+    print(json.dumps({k: x for k, x in numbers.items() if k not in ("chunks", "profile")}, indent=1, default=str))
+    return "measured"
+
+
+def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                 headline: dict[str, Any]) -> dict[str, Any]:
+    """The headline's batches and chunk size stepped with --p5d-baseline-attn instead: the
+    headline's speed-up over it, in the same process (MFU from the same model FLOPs)."""
+    from dataclasses import replace
+
+    from drafter_trainer.model import resolve_attention
+
+    impl = resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim)
+    headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
+    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
+    try:
+        return timed_against(rig, work, chunk, a, peak, headline, "baseline", attn=impl)
+    finally:
+        rig.model.attn_impl = headline_impl
+
+
+def timed_against(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                  headline: dict[str, Any], label: str, **settings: Any) -> dict[str, Any]:
+    """The headline's batches stepped as the rig is set now: step times, tok/s, MFU from the same
+    counted FLOPs, peak memory, and the headline's speed-up over it (`settings` are recorded)."""
+    from bench.trainer_bench import step_flops
+
+    times = rig.timed(work, len(work), a.p5d_steps)
+    steps = [work[i % len(work)] for i in range(len(times))]
+    model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
+    out = {**settings, "step_s": float(np.median(times)), "step_s_all": times,
+           "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times), "mfu": model_flops / sum(times) / 1e12 / peak}
+    if rig.cuda:
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
+    out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
+    print(label, json.dumps({k: x for k, x in out.items() if k != "step_s_all"}), flush=True)
+    return out
+
+
+def p5d_other_precision(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
+                        headline: dict[str, Any]) -> dict[str, Any]:
+    """The headline's batches and chunk size stepped in --p5d-other-precision (fp8) instead of the
+    headline's (bf16), in the same process: its step, and the gradient of one batch in both
+    precisions from the same weights and planes, compared weight by weight (cosine)."""
+    from dataclasses import replace
+
+    from drafter_trainer.fp8 import resolve_precision
+
+    headline_precision = rig.model.precision
+    base = resolve_precision(a.p5d_other_precision, rig.device)
+    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
+    try:
+        rig.model.precision = base
+        out = timed_against(rig, work, chunk, a, peak, headline, "other precision",
+                            headline_precision=headline_precision, precision=base)
+        if rig.cuda and a.p5_profile:     # where the other precision's step spends its time
+            out["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), rig.device, top=a.p5_profile)
+        batch, blocks = work[0]
+        planed = rig.with_planes(batch)
+        want = rig.gradients(planed, blocks)
+        rig.model.precision = headline_precision
+        got = rig.gradients(planed, blocks)
+    finally:
+        rig.model.precision = headline_precision
+    cos = {n: float(torch.nn.functional.cosine_similarity(want[n].flatten(), got[n].flatten(), dim=0)) for n in want}
+    rel = {n: float((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)) for n in want}
+    worst = sorted(cos, key=cos.get)[:5]
+    out["grad_cosine"] = {"min": min(cos.values()), "mean": float(np.mean(list(cos.values()))),
+                          "worst": {n: cos[n] for n in worst}, "rel_err_of_worst": {n: rel[n] for n in worst},
+                          "tokens": batch.num_tokens, "anchors": blocks.num_blocks}
+    print("gradient cosine", json.dumps(out["grad_cosine"]), flush=True)
+    return out
