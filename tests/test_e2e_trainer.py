@@ -175,6 +175,7 @@ def test_the_trainer_steps_eagerly_while_it_compiles_and_switches_without_losing
         ctl(trainer_ep, "pause")
         status = ctl(trainer_ep, "status")
         assert status["compile"]["state"] == "compiling", status["compile"]
+        assert status["attention"] == "split", status["attention"]     # what the CPU's steps ran
         ctl(trainer_ep, "shutdown")
         assert first.wait(120) == 0, first.log()
         assert "exiting while the background compile is still running" in first.log(tail=10_000)
