@@ -403,3 +403,19 @@ def _segments(blocks: BlockBatch, blocks_per_segment: int) -> list[tuple[int, in
         segments.append((first * b, end * b, int(doc_start[first]) if real else 0,
                          int(anchors[first:end].max()) if real else 0))
     return segments
+
+
+@dataclass(frozen=True)
+class BlockDrawer:
+    """Anchors drawn with a seed -> a batch's DFlash blocks on `device` (training and held-out
+    eval alike)."""
+    max_anchors: int
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    device: torch.device
+
+    def __call__(self, batch: PackedBatch, seed: int) -> BlockBatch:
+        gen = torch.Generator().manual_seed(seed)
+        anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), self.max_anchors, gen)
+        return build_blocks(batch, anchors.to(self.device), self.block_size, self.mask_token_id, self.gamma)

@@ -180,19 +180,7 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     backward = backward and torch.is_grad_enabled()
 
     positions = blocks.context_positions
-    if backward:
-        # While the chunks run, the context side holds only fc's graph (its weight gradient needs
-        # fc's input: views of the captured planes with split_fc, else their concatenation);
-        # hidden_norm and the layers' context keys and values run without one, and once more with
-        # one for the context side's backward. That forward again costs 2*T*H*2*kv_dim per layer,
-        # under 2% of a long-document step, and frees what autograd would hold for them through
-        # every chunk: the norms' fp32 intermediates and RoPE's inputs, ~150 KB a context token at
-        # the 27B shape (5 GB for a 32K-token batch).
-        projected = model.fc_project(target_hidden)
-        with torch.no_grad():
-            context_kv = model.context_kv_of(projected.detach(), positions)
-    else:
-        context_kv = model.context_kv(target_hidden, positions)
+    projected, context_kv = _context_side(model, target_hidden, positions, backward)
     # With backward: per context key and value tensor, the fp32 sum of its gradient over the chunks
     # (bf16 partial sums over many chunks would round where one backward over all blocks does not).
     # A chunk attends to a detached slice of the context side's tensors, so its backward stops at
@@ -229,6 +217,25 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     return LossOutput(loss=ce_sum / norm, ce_sum=ce_sum.detach(), weight_sum=weight_sum.detach(),
                       correct_per_pos=correct_per_pos, count_per_pos=count_per_pos,
                       num_anchors=int(blocks.valid.sum()))
+
+
+def _context_side(model: DFlashDraftModel, target_hidden: torch.Tensor, positions: torch.Tensor, backward: bool
+                  ) -> tuple[torch.Tensor | None, list]:
+    """(fc's projection, each layer's context keys and values) of `dflash_loss`; the projection
+    only with backward (None without).
+
+    With backward, while the chunks run, the context side holds only fc's graph (its weight
+    gradient needs fc's input: views of the captured planes with split_fc, else their
+    concatenation); hidden_norm and the layers' context keys and values run without one, and once
+    more with one for the context side's backward. That forward again costs 2*T*H*2*kv_dim per
+    layer, under 2% of a long-document step, and frees what autograd would hold for them through
+    every chunk: the norms' fp32 intermediates and RoPE's inputs, ~150 KB a context token at the
+    27B shape (5 GB for a 32K-token batch)."""
+    if not backward:
+        return None, model.context_kv(target_hidden, positions)
+    projected = model.fc_project(target_hidden)
+    with torch.no_grad():
+        return projected, model.context_kv_of(projected.detach(), positions)
 
 
 def _checked_context(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch, chunk: int,

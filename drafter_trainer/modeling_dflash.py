@@ -86,6 +86,32 @@ def _target_cache(target: nn.Module) -> DynamicCache | None:
     return DynamicCache() if not types or set(types) == {"full_attention"} else None
 
 
+def _one_greedy_prompt(input_ids, temperature: float) -> torch.Tensor:
+    """spec_generate's prompt: [1, P] ids (or the BatchEncoding holding them), refused unless
+    greedy and one prompt of at least one token."""
+    if temperature > 0:
+        raise ValueError(f"DFlash drafter: spec_generate decodes greedily (temperature=0.0), got temperature "
+                         f"{temperature}; sample with a serving engine (SGLang, vLLM)")
+    if not isinstance(input_ids, torch.Tensor) and "input_ids" in input_ids:
+        input_ids = input_ids["input_ids"]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"DFlash drafter: input_ids {tuple(input_ids.shape)}: one prompt, [1, P] with P >= 1")
+    return input_ids
+
+
+def _reference_block(noise_embedding: torch.Tensor, position_ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference loader's call (one block, [1, B, H] noise_embedding, [1, T + B] positions) ->
+    (inputs_embeds [1, B, H], context_position_ids [T], position_ids [1, B])."""
+    b = noise_embedding.shape[1] if noise_embedding.dim() == 3 else 0
+    t = position_ids.shape[-1] - b
+    if not b or noise_embedding.shape[0] != 1 or position_ids.shape != (1, t + b) or t < 0:
+        raise ValueError(f"DFlash drafter: noise_embedding {tuple(noise_embedding.shape)} and position_ids "
+                         f"{tuple(position_ids.shape)}: expected [1, B, H] and [1, T + B] (the context's "
+                         "positions, then the block's)")
+    return noise_embedding, position_ids[0, :t], position_ids[:, t:]
+
+
 class DFlashRMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in fp32, scale in the input's dtype."""
 
@@ -339,13 +365,7 @@ class DFlashDraftModel(PreTrainedModel):
         if noise_embedding is not None:
             if input_ids is not None or inputs_embeds is not None:
                 raise ValueError("DFlash drafter: pass noise_embedding or input_ids / inputs_embeds, not both")
-            b = noise_embedding.shape[1] if noise_embedding.dim() == 3 else 0
-            t = position_ids.shape[-1] - b
-            if not b or noise_embedding.shape[0] != 1 or position_ids.shape != (1, t + b) or t < 0:
-                raise ValueError(f"DFlash drafter: noise_embedding {tuple(noise_embedding.shape)} and position_ids "
-                                 f"{tuple(position_ids.shape)}: expected [1, B, H] and [1, T + B] (the context's "
-                                 "positions, then the block's)")
-            inputs_embeds, context_position_ids, position_ids = noise_embedding, position_ids[0, :t], position_ids[:, t:]
+            inputs_embeds, context_position_ids, position_ids = _reference_block(noise_embedding, position_ids)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("DFlash drafter: pass exactly one of input_ids and inputs_embeds")
         embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -405,13 +425,7 @@ class DFlashDraftModel(PreTrainedModel):
         `apply_chat_template(..., return_tensors="pt")` returns. top_p and top_k matter only when
         sampling, which this export does not do: temperature must be 0.
         """
-        if temperature > 0:
-            raise ValueError(f"DFlash drafter: spec_generate decodes greedily (temperature=0.0), got temperature "
-                             f"{temperature}; sample with a serving engine (SGLang, vLLM)")
-        if not isinstance(input_ids, torch.Tensor) and "input_ids" in input_ids:
-            input_ids = input_ids["input_ids"]
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-            raise ValueError(f"DFlash drafter: input_ids {tuple(input_ids.shape)}: one prompt, [1, P] with P >= 1")
+        input_ids = _one_greedy_prompt(input_ids, temperature)
         self.eval()
         embed = self._target_matrix("embed_tokens", target.get_input_embeddings())
         head = self._target_matrix("lm_head", target.get_output_embeddings())

@@ -108,7 +108,7 @@ def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: t
     for p, grad in zip(params, had_grad):
         p.grad = grad
     with torch.no_grad(), torch.autocast(device.type, dtype=compute_dtype, enabled=autocast), model.as_served():
-        decode()   # the held-out eval's graphs (no autograd; matmuls as served, Trainer.evaluate)
+        decode()   # the held-out eval's graphs (no autograd; matmuls as served, Validator.evaluate)
     if device.type == "cuda":   # the loss head's kernel (ce_kernel): its variant with a gradient, and without
         logits = torch.randn(WARMUP_LOSS_ROWS, cfg.vocab_size, device=device, dtype=compute_dtype, generator=gen)
         labels = torch.randint(0, cfg.vocab_size, (WARMUP_LOSS_ROWS,), device=device, generator=gen)

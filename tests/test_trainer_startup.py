@@ -15,7 +15,7 @@ import pytest
 from common.config import Config, validate
 from common.liveness import process_age_s
 from drafter_trainer.preflight import MASK_TOKENS, added_token_ids, mask_token_id
-from drafter_trainer.train import expected_target, same_target
+from drafter_trainer.startup import expected_target, same_target
 from e2e import Service, ctl, load, wait_for, write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
 def test_build_drafter_reads_the_head_beside_the_build(tmp_path: Path) -> None:
     import torch
 
-    from drafter_trainer import train
+    from drafter_trainer import startup as train
     from target_server.tiny import build_tiny_target
 
     target = build_tiny_target(str(tmp_path / "t"), num_layers=4,

@@ -39,7 +39,7 @@ class DrafterRig:
         with torch.device(device):  # initialised where it trains: a CPU init of ~2B parameters takes long
             self.model = DFlashDraftModel(self.config, attn_impl=attn,
                                           precision=resolve_precision(precision or DrafterConfig().precision, device))
-        self.model.compile_for(device, compile_mode)      # as drafter_trainer.train.build_drafter does
+        self.model.compile_for(device, compile_mode)      # as drafter_trainer.startup.build_drafter does
         head_dtype = torch.bfloat16 if self.cuda else torch.float32
         self.generator = torch.Generator(device=device).manual_seed(seed)
         cfg = self.config
