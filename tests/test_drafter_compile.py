@@ -396,7 +396,7 @@ def test_compile_behind_trains_eagerly_then_switches_to_the_graphs_the_shadow_co
         assert_close(got.loss, want.loss, n=drafter_terms(model.config, sum(docs), rows))
         assert_close(model.fc.weight.grad, reference.fc.weight.grad,
                      n=drafter_terms(model.config, sum(docs), rows, backward=True))
-    # the held-out eval (Trainer.evaluate): eval mode, no gradient
+    # the held-out eval (Validator.evaluate): eval mode, no gradient
     model.eval()
     with torch.no_grad():
         batch = make_batch([25, 14], seed=5)

@@ -266,7 +266,7 @@ def test_cuda_column_quantization_kernel_equals_quantizing_the_transpose() -> No
 
 
 def test_held_out_eval_runs_the_drafter_as_served_and_training_resumes_in_fp8() -> None:
-    """Trainer.evaluate scores the drafter with its matmuls as serving runs them; the training
+    """Validator.evaluate scores the drafter with its matmuls as serving runs them; the training
     precision comes back afterwards, also when the eval raises."""
     model = _tiny_drafter("fp8-emulated")
     batch = make_batch([40, 56])
