@@ -95,7 +95,11 @@ REPEAT_S = 1.0                   # ... taken less than this long ago, is dropped
 # frames taken per poll(): what a loop answers before it looks at its connections again. A turn
 # of 1000 status requests (~1 ms each on a loaded 2-core host) kept a newcomer waiting a second.
 MAX_DRAIN = 32
-DRAIN_BYTES = 8 << 20            # bytes of frames taken per poll(): what one poll holds before decoding
+# bytes of frames taken per poll() (at least one frame): what one poll holds before decoding, and so
+# what a control request behind it waits for. Decoding a 143 KB HELLO (a long `have` set) takes
+# ~25 ms: at 8 MiB a poll of HELLOs was ~0.8 s of decoding, and `status` waited up to 1.4 s under
+# 10 clients re-sending them; 1 MiB keeps a poll near 0.2 s.
+DRAIN_BYTES = 1 << 20
 TRIM_BYTES = 16 << 20            # bytes taken after which a quiet endpoint gives freed memory back
 QUIET_S = 1.0                    # under QUIET_BYTES taken for this long: a flood is over (`give_back_memory`)
 QUIET_BYTES = 1 << 20            # ordinary traffic (a trainer's ACKs, PINGs, a HELLO) stays under this a second
