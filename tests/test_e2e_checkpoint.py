@@ -230,3 +230,21 @@ def test_a_trainer_started_on_a_full_disk_stops_with_status_4_and_one_line(serve
     path = run / "tensorboard" if after_a_run else run
     assert len(errors) == 1 and f"trainer stopped: cannot write {path}: No space left on device [errno 28]. Free space " \
         f"there (`df -h {path}`), or set train.out_dir to a disk with room, and start it again" in errors[0], log
+
+
+def test_resuming_with_another_drafter_depth_exits_2_in_one_line_and_keeps_the_checkpoint(
+        served: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = _trainer(served, run, "train.max_steps=2")
+    assert first.wait(300) == 0, first.log()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    deeper = _trainer(served, run, "drafter.num_layers=2")
+    assert deeper.wait(300) == 2, deeper.log()
+    log = _no_traceback(deeper)
+    refused = [line for line in log.splitlines() if "drafter: " in line and "--fresh" in line]
+    assert refused and "another train.out_dir" in refused[0], log
+    # nothing moved aside or lost: the same run resumes under its own shape
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    again = _trainer(served, run)
+    assert again.wait(300) == 0, again.log()
+    assert_exactly_once(served, run)
