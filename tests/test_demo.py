@@ -23,7 +23,7 @@ from common.ring import ProducerRing
 from dfpipe.demo import _continue_or_clear, _demo_lock
 from common.seqset import SeqSet
 from drafter_trainer.checkpoint import FINISHED, TrainerState, latest_checkpoint, read_meta
-from e2e import REPO, assert_exactly_once, load, wait_for, write_config
+from e2e import REPO, assert_exactly_once, ctl, load, wait_for, write_config
 from machine_speed import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -263,6 +263,44 @@ def test_a_fresh_demo_through_another_name_of_a_running_run_folder_is_refused_an
     assert res.returncode != 0 and len(out.splitlines()) == 1, out
     assert "another demo trains into" in out or "refused" in out, out
     assert (out_dir / "metrics.jsonl").exists(), "the running demo's folder is left as it is"
+
+
+def test_a_training_demo_is_not_cleared_through_a_symlink_or_a_bind_mount_of_its_folder_and_finishes_exactly(
+        tmp_path: Path) -> None:
+    """A live first demo, and `--fresh` demos that reach its run folder by other names meanwhile:
+    each is refused in one line, and the first finishes its epoch exactly once."""
+    config = write_config(tmp_path, samples=200)    # an epoch of many steps: paused after its first
+    cfg = load_config(str(config))
+    out_dir = Path(cfg.resolve(cfg.train.out_dir))
+    first = start_demo(config, tmp_path / "first.out")
+    aliases = {"symlink": tmp_path / "via-symlink", "bind-mount": tmp_path / "via-bind-mount"}
+    aliases["symlink"].symlink_to(out_dir, target_is_directory=True)
+    mounted = False
+    try:
+        wait_for(lambda: (out_dir / "metrics.jsonl").exists() and (out_dir / "metrics.jsonl").stat().st_size > 0,
+                 scaled(300), "the first demo's first step")
+        assert ctl(cfg.service.trainer_endpoint, "pause") is not None   # it trains on after the two tries
+        why = _bind_mount(out_dir, aliases["bind-mount"])
+        mounted = why is None
+        for name, other in aliases.items():
+            if name == "bind-mount" and not mounted:
+                continue
+            res = subprocess.run([sys.executable, "-m", "dfpipe", "demo", "-c", str(config), "--fresh",
+                                  "--set", f"train.out_dir={other}"], capture_output=True, text=True,
+                                 timeout=scaled(120), cwd=REPO)
+            out = (res.stdout + res.stderr).strip()
+            assert res.returncode != 0 and len(out.splitlines()) == 1, (name, out)
+        assert ctl(cfg.service.trainer_endpoint, "resume") is not None
+        assert first.wait(scaled(540)) == 0, (tmp_path / "first.out").read_text()
+    finally:
+        first.kill()
+        if mounted:
+            subprocess.run(["umount", str(aliases["bind-mount"])], check=False)
+    said = (tmp_path / "first.out").read_text()
+    info = assert_exactly_once(config)
+    assert f"trained              samples {info['epoch_samples']}/{info['epoch_samples']} (0 duplicated)" in said
+    if not mounted:
+        pytest.skip(f"the symlink was checked; {why}")
 
 
 def test_fresh_never_clears_a_folder_a_trainer_holds(tmp_path: Path) -> None:
