@@ -10,6 +10,7 @@ demo tokenizer (configs/demo/tokenizer) and the data section's defaults (max_len
     single-15m     an answer of one character repeated 15 MiB (one pre-tokenizer word), truncate
     single-16m     the same, 16 MiB - 1 KiB (the row just under the default max_row_bytes 16 MiB), truncate
     split-15m      single-15m under --overlong split
+    split-words-15m  an answer of 15 MiB of ordinary words under --overlong split (every token kept)
     words-200m     a 200 MB answer of ordinary words, --max-row-bytes 256 MiB, truncate
 
 --max-bad-share 1: the large row may be a bad row; the run must still exit 0. Prints one JSON object
@@ -34,6 +35,8 @@ SHAPES: dict[str, tuple[Any, list[str]]] = {
     "single-15m": (lambda: "a" * (15 * MIB), []),
     "single-16m": (lambda: "a" * (16 * MIB - 1024), []),
     "split-15m": (lambda: "a" * (15 * MIB), ["--overlong", "split"]),
+    "split-words-15m": (lambda: ("The quick brown fox jumps over the lazy dog, 12345 times. " * 300_000)[:15 * MIB],
+                        ["--overlong", "split"]),
     "words-200m": (lambda: ("The quick brown fox jumps over the lazy dog, 12345 times. " * 3_500_000)[:200_000_000],
                    ["--max-row-bytes", str(256 * MIB)]),
 }

@@ -344,3 +344,40 @@ def test_prepare_data_lists_a_row_of_one_huge_word_as_a_bad_row_and_keeps_the_ot
         assert 5 not in bad
     listed = [json.loads(line) for line in open(tmp_path / "out" / "bad_rows.jsonl")]
     assert {"line": 3, "sample_id": 2, "reason": bad[3]} in listed
+
+
+@pytest.mark.parametrize("kind", ["demo", "metaspace", "whitespace", "none"])
+def test_a_split_view_tokenized_in_pieces_has_exactly_the_whole_views_ids_and_mask(tokenizer, monkeypatch, kind):
+    """Under split (every token kept) a view longer than SPLIT_PIECE is tokenized a piece at a time;
+    at pieces of 37 and 211 characters every view's ids and mask are those of the whole view, for
+    four kinds of pre-tokenizer (without one, or where a piece's first word comes out unlike the
+    piece before's, the view is tokenized whole)."""
+    other = tokenizer if kind == "demo" else _other_tokenizer(kind)[0]
+    views = _views(tokenizer)
+    monkeypatch.setattr(data.chats, "SPLIT_PIECE", 10 ** 9)
+    wholes = data._encode_views(other, views, None)
+    reach = max(len(t.content) for t in other.added_tokens_decoder.values())
+    pieced = 0
+    for piece in (37, 211):
+        monkeypatch.setattr(data.chats, "SPLIT_PIECE", piece)
+        for view, whole in zip(views, wholes):
+            (got,) = data._encode_views(other, [view], None)
+            assert got.ids.tolist() == whole.ids.tolist() and got.mask.tolist() == whole.mask.tolist(), (kind, piece)
+            try:
+                ids, _ = data.chats._encode_in_pieces(other, view[0], reach, piece)
+            except data.chats._PieceMismatch:
+                continue
+            assert ids.tolist() == whole.ids.tolist()
+            pieced += len(view[0]) > piece
+    if kind != "none":     # where a pre-tokenizer splits words, the pieces ran (no whole-text fallback)
+        assert pieced >= 3, pieced
+
+
+def test_a_long_split_answer_is_tokenized_a_piece_at_a_time(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog, 12345 times. " * 20_000     # 1.2M characters
+    (view,) = data._Renderer(tokenizer, tokenizer.chat_template, {}, ()).views(data.Conversation(
+        [{"role": "user", "content": "Go."}, {"role": "assistant", "content": text}]))
+    spy = _Spy(tokenizer)
+    (got,) = data._encode_views(spy, [view], None)
+    assert got.whole and spy.longest <= data.chats.SPLIT_PIECE
+    assert got.ids.tolist() == tokenizer(view[0], add_special_tokens=False)["input_ids"]

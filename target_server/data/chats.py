@@ -376,6 +376,45 @@ def _last_word_start(words: list[int | None], offsets: list[tuple[int, int]], si
     return offsets[i][0]
 
 
+# Characters a split view is tokenized in at a time (`_encode_in_pieces`): at about 400 bytes a
+# character of tokenizer memory, ~100 MB, where a 16 MiB answer tokenized whole took 4.7 GB.
+SPLIT_PIECE = 1 << 18
+
+
+class _PieceMismatch(ValueError):
+    """A piece started mid-text tokenized its first word unlike the piece before it."""
+
+
+def _encode_in_pieces(tokenizer: Any, text: str, reach: int, piece: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every token of `text` (ids [n], offsets into it [n, 2]), tokenizing at most `piece` characters at a time.
+
+    Of each piece the tokens `_unchanged_by_cut` proves are the whole text's are kept, and the next
+    piece starts where the first unproven one starts: a word (or added token) start, from which a
+    pre-tokenizer's scan goes on as over the whole text (its regex looks ahead, never behind). A
+    tokenizer for which that does not hold (one that marks a text's first word, as a prefix space
+    does) shows it on the word the two pieces share: that raises _PieceMismatch, and the caller
+    tokenizes the text whole. A piece in which no word is proven (no pre-tokenizer, or one word
+    longer than the piece) raises it too."""
+    ids: list[np.ndarray] = []        # per piece, as arrays: 4M tokens as Python ints and tuples took ~600 MB
+    offsets: list[np.ndarray] = []
+    start, expected = 0, None
+    while True:
+        end = min(len(text), start + piece)
+        enc = tokenizer([text[start:end]], add_special_tokens=False, return_offsets_mapping=True)
+        p_ids, p_off = enc["input_ids"][0], enc["offset_mapping"][0]
+        if expected is not None and (not p_ids or (p_ids[0], p_off[0][1] + start) != expected):
+            raise _PieceMismatch(f"the piece at character {start} begins unlike the piece before it")
+        take = len(p_ids) if end == len(text) else _unchanged_by_cut(enc.word_ids(0), p_off, end - start, reach)
+        if take == 0 or (end < len(text) and take >= len(p_ids)):
+            raise _PieceMismatch(f"no token proven in the piece at character {start}")
+        ids.append(np.asarray(p_ids[:take], dtype=np.int64))
+        offsets.append(np.asarray(p_off[:take], dtype=np.int64).reshape(-1, 2) + start)
+        if end == len(text):
+            return np.concatenate(ids), np.concatenate(offsets)
+        expected = (p_ids[take], p_off[take][1] + start)      # the shared word's first token, as this piece has it
+        start += p_off[take][0]
+
+
 def _encode_views(tokenizer: Any, views: list[View], keep: int | None, cap: int | None = None) -> list[_Encoded]:
     """Token ids of each view's text (as apply_chat_template tokenizes it), and its mask.
 
@@ -397,10 +436,19 @@ def _encode_views(tokenizer: Any, views: list[View], keep: int | None, cap: int 
             if (start := _long_word(text, cap)) is not None:
                 raise _word_too_long(cap, start)
     texts = [text if bound is None or len(text) <= bound else text[:bound] for text, _ in views]
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    # under split a long view is tokenized in pieces (`_encode_in_pieces`), the rest in one batch
+    pieced = {i for i, (text, _) in enumerate(views) if keep is None and len(text) > SPLIT_PIECE}
+    encoded = tokenizer([t if i not in pieced else "" for i, t in enumerate(texts)], add_special_tokens=False,
+                        return_offsets_mapping=True)
     out = []
     for i, ((text, spans), cut) in enumerate(zip(views, texts)):
         ids, offsets, size = encoded["input_ids"][i], encoded["offset_mapping"][i], len(cut)
+        if i in pieced:
+            try:
+                ids, offsets = _encode_in_pieces(tokenizer, text, reach, SPLIT_PIECE)
+            except _PieceMismatch:
+                whole_text = tokenizer([text], add_special_tokens=False, return_offsets_mapping=True)
+                ids, offsets = whole_text["input_ids"][0], whole_text["offset_mapping"][0]
         words = encoded.word_ids(i) if size < len(text) else []     # only a cut text asks which words changed
         while size < len(text) and _unchanged_by_cut(words, offsets, size, reach) < keep:
             grown = min(len(text), size * 4)
