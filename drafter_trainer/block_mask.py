@@ -66,8 +66,7 @@ def row_ranges(blocks: BlockBatch, groups: int, window: int | None) -> torch.Ten
     device = blocks.anchors.device
     valid = blocks.anchor_doc >= 0
     # a block sees its document's context from the document's first token of the chunk on
-    doc_start = torch.searchsorted(blocks.context_doc, blocks.anchor_doc.clamp_min(0))
-    lo_ctx = torch.where(valid, doc_start, 0)[:, None].expand(n, b)
+    lo_ctx = torch.where(valid, blocks.doc_starts(), 0)[:, None].expand(n, b)
     hi_ctx = torch.where(valid, blocks.anchors, 0)[:, None].expand(n, b)
     own = (t + torch.arange(n, device=device) * b)[:, None]
     offset = torch.arange(b, device=device)[None, :]

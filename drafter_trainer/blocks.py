@@ -135,12 +135,16 @@ class BlockBatch:
     def num_context(self) -> int:
         return int(self.context_doc.shape[0])
 
+    def doc_starts(self) -> torch.Tensor:
+        """[N] the context index of each block's document's first token, on the blocks' device
+        (for padding blocks a meaningless index: callers mask them by `valid` or document -1)."""
+        return torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
+
     def host_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per block: its anchor, its document (-1: padding) and its document's first context
         index, as host arrays (`host`, or one read of the device)."""
         if self.host is None:
-            doc_start = torch.searchsorted(self.context_doc, self.anchor_doc.clamp_min(0))
-            self.host = tuple(torch.stack([self.anchors, self.anchor_doc, doc_start]).tolist())
+            self.host = tuple(torch.stack([self.anchors, self.anchor_doc, self.doc_starts()]).tolist())
         return tuple(np.asarray(x, dtype=np.int64) for x in self.host)
 
     def chunks(self, blocks_per_chunk: int) -> list[tuple["BlockBatch", int, int]]:
