@@ -272,6 +272,8 @@ class TargetServer:
             "finished": events.get("finished", 0),
             "bad_messages": bad_messages,
             "foreign_messages": self.channel.bad_messages["foreign_uid"] if self.channel else 0,
+            # answers and deliveries not sent: "full" (the peer's queue), "gone" (it disconnected), "too_large"
+            "dropped_sends": dict(self.channel.dropped_sends) if self.channel else {},
             # what peers can make the loop hold (common/channel.py): at most (rcv_hwm + 1) frames of
             # max_message_bytes per connection in libzmq, and drain_bytes (+ one frame) taken per poll
             "receive": {"rcv_hwm": ROUTER_RCV_HWM, "max_message_bytes": self.cfg.service.max_message_bytes,
