@@ -93,11 +93,8 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     ranks.sum_(flat)
-    i = 0
-    for p in params:   # views of the one summed buffer: no second copy of every gradient
-        n = p.numel()
-        p.grad = flat[i:i + n].view_as(p)
-        i += n
+    for p, g in zip(params, flat.split([p.numel() for p in params])):   # views of the one summed buffer
+        p.grad = g.view_as(p)
 
 
 @dataclass(frozen=True)

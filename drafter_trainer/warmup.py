@@ -218,19 +218,13 @@ def compiling_in_background() -> bool:
 
 
 class CompileBehind:
-    """Compile and warm up the drafter's kernels in a background thread (`start`) while the
-    trainer steps eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled
-    once they are.
-
-    The model is eager from construction until the switch, with an attention path that compiles
-    nothing (`eager_attention`). The background thread builds a `shadow_of` the model with the
-    configured attention, compiles it (`DFlashDraftModel.compile_for`, the same options as the
-    model gets later) and runs `warm_up_kernels` on it with batches BEHIND_SHRINK times smaller
-    than a training batch. A failed warm-up is logged and the model stays eager: slower, never
-    stopped; one that ran out of GPU memory still switches (the step compiles what it lacks).
-    Each rank compiles for itself; switching is local and changes no math beyond rounding (the
-    compiled layers match eager, tests), so ranks need not switch at the same step.
-    """
+    """The module docstring's background compile (`start`) and switch (`switch_if_ready`, at step
+    boundaries). Until the switch the model is eager, with an attention path that compiles nothing
+    (`eager_attention`); the thread compiles a `shadow_of` it with the configured attention and the
+    model's own compile options, and warms it up on batches BEHIND_SHRINK times smaller. A failed
+    warm-up leaves the model eager (slower, never stopped); one that ran out of GPU memory still
+    switches (the step compiles what it lacks). Each rank switches on its own: compiled layers
+    match eager up to rounding (tests), so ranks need not switch at the same step."""
 
     def __init__(self, model: DFlashDraftModel, device: torch.device, compile_mode: str,
                  compute_dtype: torch.dtype, tokens: int, max_anchors: int, gamma: float) -> None:
