@@ -14,14 +14,12 @@
         .del-step-00000090-<pid>/   being removed (past train.keep_checkpoints)
     <out_dir>/trainer.lock      held (flock) by the one trainer using out_dir
 
-A checkpoint is evidence, not trust: `verify_checkpoint` checks every file's size and digest
-against the manifest, and the facts against each other (meta.json says the manifest's step,
-epoch and `have`, and the audit counts the sample ids give; the sample ids' batch seqs are
-exactly `have`); `TrainerState.load` verifies before it loads anything, and the trainer resumes
-from the newest checkpoint that verifies, moving each one that does not aside (`move_aside`).
-The manifest's digests are no signature (anyone who can write the folder can reseal it), so
-state.pt is only ever loaded with torch's weights-only unpickler (`_load_state`): tensors and
-plain values; a pickle that names anything else fails `state.pt-unsafe` and runs nothing.
+A checkpoint is evidence, not trust: nothing of it is loaded before `verify_checkpoint` checked
+every file against the manifest and the facts against each other, and the trainer resumes from
+the newest checkpoint that verifies, moving each one that does not aside (`move_aside`). The
+manifest's digests are no signature (anyone who can write the folder can reseal it), so state.pt
+is only ever loaded with torch's weights-only unpickler (`_load_state`): a pickle that names
+anything beyond tensors and plain values fails `state.pt-unsafe` and runs nothing.
 
 Only the service's own user (and root) may control what is read: out_dir, checkpoints/, each
 checkpoint folder and file must be theirs and not writable by group or others, and every folder
@@ -38,6 +36,7 @@ config, another endpoint) never sweeps the first one's checkpoint in progress.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -112,9 +111,9 @@ class NoCheckpointVerifies(Exception):
 
 def check_run_folder(out_dir: str, create: bool = False) -> None:
     """Untrusted unless out_dir and its checkpoints/ (when there) pass `state_path_problem` for this
-    user and root; an out_dir that is not there passes (nothing in it is read). `create`: a missing out_dir is made first, each missing folder 0755 (the umask
-    may only take more away: never writable by group or others), once the folder it goes into has
-    passed the same rule (sticky allowed there); nothing is created under a folder that fails."""
+    user and root; a missing out_dir passes (nothing in it is read), or with `create` is made, each
+    missing folder 0755 (the umask may only take more away) once the folder it goes into has passed
+    the same rule (sticky allowed there): nothing is created under a folder that fails."""
     trusted = trusted_uids()
     if not create and not os.path.lexists(out_dir):
         return   # nothing there to read: the caller finds no checkpoint
@@ -389,19 +388,13 @@ def save_checkpoint(out_dir: str, step: int, files: dict[str, Writer], facts: di
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as beside, \
                 ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-piece") as pieces:
             for fname, fill in files.items():
-                f = _HashedFile(os.path.join(tmp, fname), beside, pieces)
-                try:
+                with contextlib.closing(_HashedFile(os.path.join(tmp, fname), beside, pieces)) as f:
                     fill(f)
                     entries[fname] = f.finish()
-                finally:
-                    f.close()
                 fault_point(f"checkpoint.after.{fname}")
-            manifest = _HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)
-            try:
+            with contextlib.closing(_HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)) as manifest:
                 manifest.write(_manifest_bytes(facts, entries))
                 manifest.finish()
-            finally:
-                manifest.close()
         fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -753,11 +746,10 @@ def _have(path: str, wire: Any, where: str) -> SeqSet:
 
 def verify_checkpoint(path: str) -> Verified:
     """Every check a checkpoint must pass before anything in it is believed; CheckpointInvalid
-    naming the first that fails. Reads every file once (state.pt's pieces in parallel) and
-    unpickles nothing: the manifest's own digest, each file's size, then the small files' digests
-    and the facts (meta.json's step, epoch and have are the manifest's; the samples' batch seqs
-    are `have`, `check_samples`), then state.pt's digest. A checkpoint without a manifest is from
-    before manifests: `_verify_legacy`."""
+    naming the first that fails. Reads every file once (state.pt's pieces in parallel), unpickles
+    nothing: the manifest's own digest, each file's size, the small files' digests and the facts
+    (meta.json's step, epoch and have are the manifest's, `check_samples`, `check_accounting`),
+    then state.pt's digest. One without a manifest is from before manifests: `_verify_legacy`."""
     if not os.path.isdir(path):
         raise CheckpointInvalid(path, "folder-missing", "no such checkpoint folder")
     if problem := state_path_problem(path, trusted_uids()):
@@ -941,8 +933,7 @@ class TrainerState:
         raise ConfigError(
             f"drafter: the checkpoint {path} holds a drafter of {shape(theirs)}, this config builds one of "
             f"{shape(mine)} ({where}: {theirs.get(where, 'absent')} in the checkpoint, {mine.get(where, 'absent')} "
-            f"here): "
-            f"keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
+            f"here): keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
             f"afresh (`dfpipe demo --fresh`, or move {os.path.dirname(path)} away)")
 
     def restore_weights(self, model: torch.nn.Module) -> None:

@@ -78,13 +78,10 @@ def warm_up_kernels(model: DFlashDraftModel, device: torch.device, compute_dtype
 
 def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: torch.dtype, tokens: int,
                  max_anchors: int, gamma: float, gen: torch.Generator) -> None:
-    """One forward and backward of everything after the frozen embedding, on random inputs. Needs
-    no target head; leaves the weights and their gradients as they were
-    (the gradients it makes are dropped), and the optimizer is not involved.
-
-    The random planes are in `compute_dtype`, which is what the target sends by default (bf16 on
-    CUDA): compiled graphs are specialised on dtypes, so planes of another dtype would compile again.
-    """
+    """One forward and backward of everything after the frozen embedding, on random inputs: no
+    target head, no optimizer, the weights and their gradients left as they were. The planes are
+    in `compute_dtype`, what the target sends by default (bf16 on CUDA): compiled graphs are
+    specialised on dtypes, so planes of another dtype would compile again."""
     cfg = model.config
     batch = random_batch(model, tokens, device, compute_dtype, gen)
     anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), max_anchors,
@@ -153,13 +150,11 @@ def _quick_gil_handover(on: bool) -> None:
 
 
 def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:
-    """The attention path for the eager steps while compiling: flex and fa4 on CUDA are compiled
-    kernels (their first call traces and compiles), so those steps use the split path for flex,
-    which scores only the visible keys, and FlashAttention 2 (flash) for fa4: the same attention
-    (tests compare the paths). On the H200 at the published density an eager step took 7.4 s with
-    split against 10.0 s with the dense-mask SDPA kernel, which scores every key of the batch.
-    Flash (CUDA's auto in an eager model) runs precompiled kernels and stays (its sliding-window
-    layers run split while the model is eager)."""
+    """The attention path of the eager steps while compiling: on CUDA flex and fa4 are compiled
+    kernels (a first call traces and compiles), so those steps take split for flex (the same
+    attention, tests compare; on the H200 at the published density an eager step took 7.4 s with
+    split, 10.0 s with sdpa's dense mask over every key) and flash for fa4. Flash (CUDA's auto in
+    an eager model) runs precompiled kernels and stays (its sliding-window layers run split)."""
     if device.type != "cuda":
         return impl
     resolved = resolve_attention(impl, device.type, head_dim, compiled=False)
@@ -174,15 +169,12 @@ def needs_compiling(model_compile_mode: str, attn: str, device: torch.device, he
 
 
 def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
-    """The same drafter over the same weight memory, to compile and warm up beside training.
-
-    Built on the meta device, so it allocates nothing; each trainable weight is a new tensor over
-    the model's storage. A new tensor, not a view: the optimizer's in-place updates of the model's
-    weights then do not bump the shadow's version counters (autograd would refuse its backward:
-    'modified by an inplace operation'). Its gradients are dropped as each is accumulated, so they
-    never reach the model's `.grad` and never all exist at once. The frozen target head stays empty
-    (the warm-up does not use it).
-    """
+    """The same drafter over the same weight memory, to compile and warm up beside training. Built
+    on the meta device (it allocates nothing), each trainable weight a new tensor over the model's
+    storage, not a view: the optimizer's in-place updates of the model's weights then do not bump
+    the shadow's version counters (autograd would refuse its backward: 'modified by an inplace
+    operation'). Its gradients are dropped as each is accumulated: they never reach the model's
+    `.grad` and never all exist at once. The frozen target head stays empty (the warm-up needs none)."""
     with torch.device("meta"):
         shadow = DFlashDraftModel(model.config, split_fc=model.split_fc, attn_impl=attn_impl)
     shadow.segment_rows, shadow.checkpoint_layers = model.segment_rows, model.checkpoint_layers
