@@ -130,9 +130,8 @@ def check_run_folder(out_dir: str, create: bool = False) -> None:
             except FileExistsError:   # made meanwhile: the check below says whose it is
                 pass
     for path in (out_dir, checkpoint_root(out_dir)):
-        if path == out_dir or os.path.lexists(path):
-            if problem := state_path_problem(path, trusted):
-                raise Untrusted(f"train.out_dir {out_dir}: {problem}")
+        if (path == out_dir or os.path.lexists(path)) and (problem := state_path_problem(path, trusted)):
+            raise Untrusted(f"train.out_dir {out_dir}: {problem}")
 
 
 def lock_out_dir(out_dir: str) -> int:
@@ -778,9 +777,7 @@ def verify_checkpoint(path: str) -> Verified:
         if size != entry["size"]:
             raise CheckpointInvalid(path, f"{name}-size", f"{size} bytes, the manifest says {entry['size']}")
     small = {}
-    for name in files:
-        if name == STATE:
-            continue
+    for name in [n for n in files if n != STATE]:
         small[name] = _read(path, name)
         if bytes_digest(small[name]) != files[name]["sha256"]:
             raise CheckpointInvalid(path, f"{name}-checksum", "its content is not what was written")

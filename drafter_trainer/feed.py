@@ -246,8 +246,7 @@ class RingFeed:
             # announces our slots again after the HELLO.
             self._awaiting_welcome = True
         chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
-                        pid=os.getpid(),
-                        start_time=process_start_time(os.getpid()) or 0, have=self.have(),
+                        pid=os.getpid(), start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout, plan=self.plan,
                         ranks_here=self.ranks_here))
 

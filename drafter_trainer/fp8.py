@@ -65,12 +65,10 @@ def fp8_supported(device_index: int = 0) -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """The matmul precision the drafter runs: `precision` as configured, checked against `device`.
-
-    auto: fp8 where FP8 matmuls run (Hopper / Ada), else bf16. fp8 elsewhere is an error (the
-    message says what to set); fp8-emulated runs anywhere. bf16 means "the compute dtype" on a
-    CPU, which is fp32 there unless train.compute_dtype says otherwise.
-    """
+    """The matmul precision the drafter runs, `precision` checked against `device`: auto is fp8
+    where FP8 matmuls run (Hopper / Ada), else bf16; fp8 elsewhere is an error saying what to set;
+    fp8-emulated runs anywhere. bf16 means the compute dtype (on a CPU fp32, unless
+    train.compute_dtype says otherwise)."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"drafter.precision must be one of {PRECISIONS}, got {precision!r}")
     native = device.type == "cuda" and fp8_supported(device.index or 0)
@@ -130,13 +128,11 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 
 
 def _out_dtype(x: torch.Tensor, emulate: bool) -> torch.dtype:
-    """The compute dtype: autocast's when on, else the input's; _scaled_mm's row-wise path
-    writes bf16 only."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-    else:
-        dtype = x.dtype
-    return dtype if emulate else torch.bfloat16
+    """The compute dtype (autocast's when on, else the input's) emulated; bf16 else, the only one
+    _scaled_mm's row-wise path writes."""
+    if not emulate:
+        return torch.bfloat16
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 class _Fp8Linear(torch.autograd.Function):

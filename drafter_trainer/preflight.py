@@ -2,10 +2,8 @@
 its ranks, locks train.out_dir, binds its endpoint or waits for a target server
 (common/preflight.py). The trainer reads the target's folder itself (config.json, embedding,
 lm_head, the tokenizer's mask token), so a local target.model is checked here as well as on the
-server.
-
-And the mask token: the drafter's block positions after the anchor hold the target tokenizer's
-mask token, found in target.tokenizer when set (the folder the server prepares data with), else in
+server. And the mask token, which the drafter's block positions after the anchor hold: the target
+tokenizer's, from target.tokenizer when set (the folder the server prepares data with), else from
 the model folder.
 """
 from __future__ import annotations

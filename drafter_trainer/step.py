@@ -128,10 +128,8 @@ class StepResult:
 def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | None, blocks: BlockBatch | None,
                lr: float, settings: StepSettings, ranks: Ranks) -> StepResult:
     """One optimizer step of `optimizer` (torch's AdamW over the trainable weights, optim.build_adamw).
-
-    A non-finite loss or gradient on any rank skips the update on every rank (applied=False) and
-    leaves the weights as they were; the caller counts it.
-    """
+    A non-finite loss or gradient on any rank skips the update on every rank (applied=False), the
+    weights left as they were; the caller counts it."""
     device = next(model.parameters()).device
     local_w = blocks.weights.sum().detach().double().reshape(1).cpu() if blocks is not None \
         else torch.zeros(1, dtype=torch.float64)

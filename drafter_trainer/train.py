@@ -2,11 +2,9 @@
 
 Read `Trainer.train_loop` top to bottom: take a batch, agree with the other ranks, anchors -> blocks
 -> DFlash loss -> backward -> all-reduce -> finite check -> clip -> step -> account -> checkpoint.
-The rest is components that own their state: `Startup` (startup.py: the drafter built while the
-feed connects, the target hand-over, the background compile), `Accounting` (accounting.py: the
-exactly-once accounting and the progress through the plan), `Checkpointer` (checkpointer.py: resume,
-save, export), `Validator` (validator.py: the held-out eval) and `Reporter` (reporting.py: the step
-log, metrics records and the status's training numbers).
+The rest is components that own their state, each a module of its own: `Startup` (startup.py),
+`Accounting` (accounting.py), `Checkpointer` (checkpointer.py), `Validator` (validator.py: the
+held-out eval) and `Reporter` (reporting.py).
 
 Ranks and epochs. Each rank gets its own stream of batches from the target server; every step
 the ranks agree on a few flags (`Accounting.agree`), and a rank without a batch takes part with
@@ -22,8 +20,6 @@ server serving its shard of every epoch (common/cluster.py); a rank reads only f
 server. The checkpoint (global rank 0) holds the union of every rank's batches, each host's first
 rank commits its host's shard of it to its server, and a restarted rank says HELLO with its
 host's shard. The schedule's progress and the end of training count the whole plan.
-
-Held-out eval: validator.py.
 """
 from __future__ import annotations
 
