@@ -262,12 +262,7 @@ class _BlockFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan, scale: float
                 ) -> torch.Tensor:
-        outs, lses, rngs = [], [], []
-        for calls in plan.parts:
-            o, lse, rng = _part_forward(q, k, v, calls, scale)
-            outs.append(o)
-            lses.append(lse)
-            rngs.append(rng)
+        outs, lses, rngs = zip(*(_part_forward(q, k, v, calls, scale) for calls in plan.parts))
         if len(outs) == 1:
             out, lse = outs[0], lses[0]
         else:

@@ -251,10 +251,8 @@ def probe_fa4(head_dim: int, device: torch.device) -> float:
     results = []
     for fa4 in (True, False):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-        if fa4:
-            out = masked_attention(*leaves, block_mask_of_blocks(blocks, groups, None, static=True), fa4=True)
-        else:
-            out = block_flash_attention(*leaves, plan_of_blocks(blocks, 8, groups))
+        out = (masked_attention(*leaves, block_mask_of_blocks(blocks, groups, None, static=True), fa4=True) if fa4
+               else block_flash_attention(*leaves, plan_of_blocks(blocks, 8, groups)))
         out.backward(dout)
         results.append([out.detach().float()] + [x.grad.float() for x in leaves])
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results))

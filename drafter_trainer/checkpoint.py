@@ -125,10 +125,8 @@ def check_run_folder(out_dir: str, create: bool = False) -> None:
         if problem := state_path_problem(parent, trusted, sticky_ok=True):
             raise Untrusted(f"train.out_dir {out_dir}: {problem}")
         for folder in reversed(missing):
-            try:
+            with contextlib.suppress(FileExistsError):   # made meanwhile: the check below says whose it is
                 os.mkdir(folder, 0o755)
-            except FileExistsError:   # made meanwhile: the check below says whose it is
-                pass
     for path in (out_dir, checkpoint_root(out_dir)):
         if (path == out_dir or os.path.lexists(path)) and (problem := state_path_problem(path, trusted)):
             raise Untrusted(f"train.out_dir {out_dir}: {problem}")
