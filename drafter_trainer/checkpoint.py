@@ -339,12 +339,11 @@ def _write_error(error: BaseException) -> OSError | None:
 
 
 def _save_state(state: dict[str, Any], f: Any) -> None:
-    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write.
-
+    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write:
     torch's zip writer lets the write's OSError (ENOSPC) out of the record it was writing, then
-    closing the archive raises RuntimeError("unexpected pos ...") over it: that RuntimeError is a
-    write failure and becomes an OSError. A RuntimeError with no failed write under it (a bug, a
-    device error while copying a tensor out) is not one and stays what it is."""
+    closing the archive raises RuntimeError("unexpected pos ...") over it, which becomes an OSError
+    here. A RuntimeError with no failed write under it (a bug, a device error while copying a
+    tensor out) stays what it is."""
     import torch
 
     try:

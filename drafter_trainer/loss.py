@@ -17,9 +17,8 @@ chunk would cost three). The head is frozen: no gradient for W is ever formed.
 Between the two matmuls lies only elementwise work over a [chunk, V] buffer, and at V = 248K it
 is the largest elementwise cost of a step: run as separate eager kernels (cast, gather, argmax,
 max, exp, sum, divide, one-hot, scale, cast back) it moves ~50 bytes per logit. On CUDA it is one
-Triton kernel (`ce_kernel`: two passes over each row, ~6 bytes per bf16 logit, no compile
-needed, so the eager first steps have it too); elsewhere `softmax_cross_entropy`, eager. The
-matmuls stay outside, in cuBLAS.
+Triton kernel (`ce_kernel`: ~6 bytes per bf16 logit, and no compile, so the eager first steps
+have it too), elsewhere `softmax_cross_entropy`; the matmuls stay in cuBLAS.
 """
 from __future__ import annotations
 
@@ -100,11 +99,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         with torch.autocast(hidden.device.type, enabled=False):
-            start, n = 0, hidden.shape[0]
-            while start < n:
-                end = min(n, start + chunk)
-                rows = slice(start, end)
-                start = end
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
                 logits = hidden[rows].to(head.dtype) @ head.t()
                 chunk_ce, correct[rows], grad_logits = cross_entropy(logits, labels[rows], row_weights[rows],
                                                                      need_grad)
@@ -176,11 +172,9 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
-    chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
-    for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
+    for rows, (part, first, end) in zip(_loss_rows_by_chunk(blocks, per_chunk), blocks.chunks(per_chunk)):
         kv = [tuple(t[first:end].detach().requires_grad_() if backward else t[first:end] for t in pair)
               for pair in context_kv]
-        rows = chunk_rows[i]
         part_ce, correct = _chunk_ce(model, part, kv, rows, chunk)
         if backward:
             (part_ce / norm).backward()

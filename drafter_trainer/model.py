@@ -1,17 +1,9 @@
-"""The DFlash draft model (arXiv 2602.06036): Qwen3-style layers that read the target's context.
-
-    target_hidden [k, T, H]  (k captured target layers, in target_layer_ids order)
-        -> fc: concat to [T, k*H], Linear(k*H -> H)  -> hidden_norm           = context [T, H]
-    block_input_ids [N, B]   (t[anchor], MASK x (B-1) per block)
-        -> frozen target embed_tokens                                         = noise_embedding [N*B, H]
-    num_hidden_layers x DFlashDecoderLayer:
-        queries from the block tokens only; keys/values = [context ; block tokens], both through
-        the layer's own k_proj/v_proj, then k_norm and RoPE over the concatenation
-    -> norm -> (frozen target lm_head, applied by the loss in chunks)
-
+"""The DFlash draft model (arXiv 2602.06036) as the trainer runs it: Qwen3-style layers that read
+the target's context, drawn in modeling_dflash.py's docstring (the exported, standalone copy).
 The context enters the layers only as extra keys and values: it is never updated by a layer and
-makes no queries. Who may see whom (strictly-before-anchor context, same document, sliding
-window, no block sees another) is defined once in `blocks.AttentionLayout`.
+makes no queries; the target's lm_head is applied by the loss, in chunks. Who may see whom
+(strictly-before-anchor context, same document, sliding window, no block sees another) is
+defined once in `blocks.AttentionLayout`.
 
 This module has no transformers dependency: the exported folder is what the serving engines
 (SGLang, vLLM, the z-lab loader) read, and they bring their own implementation.
@@ -438,7 +430,6 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDraftModel(nn.Module):
     """fc + hidden_norm + layers + norm (trainable) around the target's frozen embed_tokens / lm_head.
-
     The trainable state dict is exactly the export format (`fc.weight`, `hidden_norm.weight`,
     `layers.N....`, `norm.weight`). split_fc computes fc as sum_i fc_i(h_i) over column blocks
     of the same `fc.weight`, so it never builds the [T, k*H] concatenation (and autograd saves
@@ -446,8 +437,7 @@ class DFlashDraftModel(nn.Module):
     attn_impl: "split" (`split_attention`; fastest on CPU), "sdpa" (a dense boolean mask), "flex"
     and "fa4" (one block-sparse masked call on flex's Triton or FlashAttention 4's kernels,
     block_mask.py), "flash" (FlashAttention 2 over key runs, block_flash.py); "auto":
-    `resolve_attention`. All evaluate AttentionLayout.visible and agree numerically (tests).
-    """
+    `resolve_attention`. All evaluate AttentionLayout.visible and agree numerically (tests)."""
 
     FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
 

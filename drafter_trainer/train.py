@@ -15,11 +15,11 @@ Exactly once (accounting.py). A restarted trainer sends the checkpoint's `have` 
 target server delivers every other seq. The learning-rate schedule is a function of progress
 (batches held / batches planned), so it survives restarts and a change in the number of ranks.
 
-Hosts. With `cluster.num_hosts` > 1 the world spans several hosts, each with its own target
-server serving its shard of every epoch (common/cluster.py); a rank reads only from its host's
-server. The checkpoint (global rank 0) holds the union of every rank's batches, each host's first
-rank commits its host's shard of it to its server, and a restarted rank says HELLO with its
-host's shard. The schedule's progress and the end of training count the whole plan.
+Hosts. With `cluster.num_hosts` > 1 each host has its own target server serving its shard of every
+epoch (common/cluster.py); a rank reads only from its host's server. The checkpoint holds every
+rank's batches; each host's first rank commits its host's shard to its server, and a restarted
+rank says HELLO with its host's shard. The schedule's progress and the end of training count the
+whole plan.
 """
 from __future__ import annotations
 

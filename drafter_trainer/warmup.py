@@ -1,23 +1,21 @@
 """Compile the drafter's kernels beside a trainer's first steps: the trainer's one start-up path.
 
-A trainer's first step on CUDA pays for compiling its kernels: flex attention, the compiled
-layers (`drafter.compile`), the loss head's Triton kernel, Triton's autotuning, and cuBLAS's
-first calls. From the inductor cache that is still seconds (dynamo keeps no cache across
-processes); cold it is tens of seconds. Nothing in that work depends on the target's weights or
-on real data, only on shapes. So `CompileBehind` takes it off a restart's critical path: the
-trainer steps eagerly from its first batch while a background thread compiles and warms up the
-same kernels (`warm_up_kernels`, on random inputs) on a *shadow* drafter (same shapes, same weight
-memory), and switches to the compiled step at a step boundary once they are ready. Compiled code
-is found by the code object and guards, not by the module instance, so the model itself then
-compiles nothing more. (Compiling before the first step instead took twice as long to the first
-step at the 27B shape: docs/benchmarks.md.)
+A trainer's first step on CUDA pays for compiling its kernels (flex attention, the compiled layers
+of `drafter.compile`, the loss head's Triton kernel, Triton's autotuning, cuBLAS's first calls):
+seconds from the inductor cache (dynamo keeps none across processes), tens of seconds cold. None
+of it depends on the target's weights or on real data, only on shapes, so `CompileBehind` takes
+it off a restart's critical path: the trainer steps eagerly from its first batch while a thread
+compiles and warms up the same kernels (`warm_up_kernels`, on random inputs) on a *shadow*
+drafter (same shapes, same weight memory), and switches to the compiled step at a step boundary
+once they are ready. Compiled code is found by code object and guards, not by module instance, so
+the model itself then compiles nothing more. (Compiling before the first step instead took twice
+as long to the first step at the 27B shape: docs/benchmarks.md.)
 
-The warm-up shapes are those of a full batch (`data.token_budget` tokens, one chunk of blocks),
-then a second, shorter batch of odd length. Every graph is compiled with dynamic shapes, but a
-first trace still takes some values as given: Python ints it meets (say, in the flex mask's
-closure) become constants until a second value shows up, and inductor may assume a length is a
-multiple of 16. Real packed rows have every length up to the budget, so the first real batch
-would trigger that one recompile. The second pass takes it here instead.
+The warm-up runs a full batch (`data.token_budget` tokens, one chunk of blocks), then a shorter
+one of odd length: every graph is compiled with dynamic shapes, but a first trace still takes
+some values as given (Python ints it meets, say in the flex mask's closure, stay constants until
+a second value shows up; inductor may assume a length is a multiple of 16), so the first real
+batch, packed rows having every length up to the budget, would recompile once. Here instead.
 """
 from __future__ import annotations
 
@@ -255,9 +253,7 @@ class CompileBehind:
             shadow.compile_for(self.device, self.compile_mode)
             tokens, anchors = self.shape
             warm_up_kernels(shadow, self.device, self.compute_dtype, tokens, anchors, self.gamma)
-        except torch.OutOfMemoryError as e:
-            # the warm-up's activations did not fit beside the training step: the compile itself
-            # is not at fault, so the model switches anyway and compiles what is left in its step
+        except torch.OutOfMemoryError as e:   # the warm-up's activations, not the compile: switch anyway
             self.out_of_memory = True
             self.error = f"{type(e).__name__}: {e}"
         except Exception as e:   # noqa: BLE001 - any other failure leaves the trainer eager, not dead
