@@ -199,10 +199,8 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
     context_positions = batch.position_ids.to(torch.int64)
     doc_end = torch.cumsum(doc_lens, 0)                      # exclusive end of each document
 
-    valid = torch.zeros(n, dtype=torch.bool, device=device)
-    valid[:n_real] = True
-    anchor_idx = torch.zeros(n, dtype=torch.int64, device=device)
-    anchor_idx[:n_real] = anchors
+    valid = torch.arange(n, device=device) < n_real
+    anchor_idx = torch.cat([anchors, anchors.new_zeros(n - n_real)])
     anchor_doc = torch.where(valid, context_doc[anchor_idx], -1)
     anchor_pos = torch.where(valid, context_positions[anchor_idx], 0)
 

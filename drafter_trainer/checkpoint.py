@@ -22,11 +22,10 @@ is only ever loaded with torch's weights-only unpickler (`_load_state`): a pickl
 anything beyond tensors and plain values fails `state.pt-unsafe` and runs nothing.
 
 Only the service's own user (and root) may control what is read: out_dir, checkpoints/, each
-checkpoint folder and file must be theirs and not writable by group or others, and every folder
-above them theirs or sticky (`common.trust.state_path_problem`, ssh's StrictModes rule). Anything
-else raises `common.trust.Untrusted` naming the path, its owner and its mode, before anything in
-out_dir is written (`check_run_folder`); `service.allowed_uids` (who may talk to the sockets) does
-not extend to it.
+checkpoint folder and file theirs and not writable by group or others, every folder above them
+theirs or sticky (`common.trust.state_path_problem`, ssh's StrictModes rule; `service.allowed_uids`,
+who may talk to the sockets, does not extend to it). Anything else raises `Untrusted` naming the
+path, its owner and its mode, before anything in out_dir is written (`check_run_folder`).
 
 Every save is write-new-then-rename, and so is every removal (a folder leaves the names a resume
 considers before its files go): a `kill -9` at any moment leaves the previous complete checkpoint

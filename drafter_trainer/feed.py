@@ -128,11 +128,10 @@ class RingFeed:
         return self.welcome
 
     def waiting_for(self) -> str:
-        """What this rank waits for, in a line: a target server that runs (its last refusal, e.g.
-        still loading), or that none runs. A server holds its rings' producer role from its start
-        to its exit, so a role nobody holds is a server that exited (or never started), whatever
-        it answered last. An endpoint another user has comes first: that is what this rank sees
-        there, and no server of ours can bind it until it is gone."""
+        """What this rank waits for, in a line: a target server that runs (its last refusal, e.g. still
+        loading) or that none runs (a server holds its rings' producer role from start to exit: a role
+        nobody holds is a server that exited or never started, whatever it answered last). An endpoint
+        another user has comes first: this rank sees that there, and no server of ours can bind it."""
         r = self.cfg.ring
         if self.endpoint_untrusted:
             return f"not saying HELLO: {self.error}"

@@ -5,13 +5,11 @@ backward pass and optimizer update.
     over the ranks -> clip -> finite on every rank? -> AdamW at the step's learning rate
 
 The trainer's loop and the benchmarks (bench/gpu/drafter_rig.py, bench/trainer_bench.py) call
-`train_step`, so what is measured and what is tested is the step users run (toy-target drafters
-are trained through the services, the trainer itself).
-
-Ranks. A rank without a batch this step passes `blocks=None`: it contributes zero loss and zero
-gradient to the collectives, so uneven epochs never deadlock. The loss is normalised by the weight
-sum over all ranks, so gradients are summed, not averaged, across ranks: every rank's tokens
-weigh as in one big batch.
+`train_step`: what is measured and tested is the step users run (toy-target drafters too are
+trained by the trainer itself). A rank without a batch this step passes `blocks=None` and
+contributes zero loss and gradient to the collectives, so uneven epochs never deadlock; the loss
+is normalised by the weight sum over all ranks, so gradients are summed, not averaged: every
+rank's tokens weigh as in one big batch.
 """
 from __future__ import annotations
 
