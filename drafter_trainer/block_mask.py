@@ -108,11 +108,10 @@ def interval_mask_mod(lo_ctx: torch.Tensor, hi_ctx: torch.Tensor, lo_own: torch.
 
 
 def block_mask_of(ranges: torch.Tensor, num_keys: int, static: bool = False) -> Any:
-    """A flex BlockMask over `num_keys` keys for the folded rows whose ranges `row_ranges` gave:
-    a KV tile is partial for a query tile when some row's range touches it, full when every row's
-    range contains it (a row's two ranges never meet: hi_ctx <= anchor < T <= lo_own). `static`:
-    the mask's captured ranges padded to a power of two of rows and marked static (module
-    docstring), for a compiled layer."""
+    """A flex BlockMask over `num_keys` keys for the folded rows whose ranges `row_ranges` gave: a KV
+    tile is partial for a query tile when some row's range touches it, full when every row's range
+    contains it (a row's two ranges never meet: hi_ctx <= anchor < T <= lo_own). `static`: the
+    captured ranges padded and marked static, for a compiled layer (module docstring)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     rows = ranges.shape[1]

@@ -101,9 +101,8 @@ class BlockBatch:
     context_doc       [T]    int64  document of each packed token
     context_positions [T]    int64  position of each packed token in its document
 
-    `host`: the anchors, documents and document starts (context indices) of the blocks as host
-    lists, when `chunks` has read them already; the host-side mask builders then read nothing
-    from the device.
+    `host`: the blocks' anchors, documents and document starts (context indices) as host lists once
+    `chunks` has read them, so the host-side mask builders read nothing from the device.
     """
 
     block_input_ids: torch.Tensor
