@@ -25,15 +25,13 @@ as several kernel calls, each over consecutive sequences gathering at most `MAX_
 (one call whenever the part fits, as it always does for chat-length documents): what a call
 copies is freed before the next one gathers.
 
-Queries come folded (`fold_queries`): the g query heads that share a key head are rows of that
-key head, so a block is B * g rows of h_kv heads. All of them see the same keys, and the kernels'
-query tiles (64-128 rows) are then mostly full in part B, where B = 16 rows alone would leave
-them mostly idle. Folding is a view when the query heads are group-major: the model computes q
-with its q_proj's rows reordered that way (`group_major`) and the output projection with o_proj's
-columns reordered alike. The reorder is fused into the bf16 cast autocast makes of the weights
-anyway; that fused kernel runs slower than a plain cast (0.09 s of a 4.9 s step on the H200), but
-permuting q and the output took 0.17 s (docs/benchmarks.md, runs AA5 and AA6). The checkpoint
-keeps its order.
+Queries come folded (`fold_queries`): the g query heads that share a key head are rows of it, so
+a block is B * g rows of h_kv heads that all see the same keys, and the kernels' 64-128-row query
+tiles are mostly full in part B (B = 16 rows alone would leave them mostly idle). Folding is a
+view when the query heads are group-major: the model reorders q_proj's rows and o_proj's columns
+so (`group_major`; the checkpoint keeps its order), fused into autocast's bf16 cast of the
+weights: slower than a plain cast (0.09 s of a 4.9 s step on the H200), but permuting q and the
+output took 0.17 s (docs/benchmarks.md, runs AA5 and AA6).
 
 Why: at the published density a chunk's few context keys serve thousands of block queries. Flex
 attention's backward gives each key tile one program that walks every query tile seeing it; at
@@ -127,9 +125,8 @@ def flash_plan(anchors: Sequence[int], docs: Sequence[int], doc_starts: Sequence
     context), its document (-1: padding) and its document's first context index; `groups` query
     heads per key head (a block's folded rows: groups * block_size); a part's calls gather at most
     `max_call_keys` (None: MAX_CALL_KEYS) keys each (a single sequence with more is a call of its own).
-
-    Blocks are in anchor order (build_blocks), so a segment's first anchor is its least and
-    the part-B ranges are never negative. Padding blocks see only their own block."""
+    Blocks are in anchor order (build_blocks), so a segment's first anchor is its least and the
+    part-B ranges are never negative. Padding blocks see only their own block."""
     max_call_keys = MAX_CALL_KEYS if max_call_keys is None else max_call_keys
     anchors = np.asarray(anchors, dtype=np.int64)
     docs = np.asarray(docs, dtype=np.int64)
@@ -265,12 +262,7 @@ class _BlockFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPlan, scale: float
                 ) -> torch.Tensor:
-        outs, lses, rngs = [], [], []
-        for calls in plan.parts:
-            o, lse, rng = _part_forward(q, k, v, calls, scale)
-            outs.append(o)
-            lses.append(lse)
-            rngs.append(rng)
+        outs, lses, rngs = zip(*(_part_forward(q, k, v, calls, scale) for calls in plan.parts))
         if len(outs) == 1:
             out, lse = outs[0], lses[0]
         else:

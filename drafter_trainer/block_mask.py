@@ -108,11 +108,10 @@ def interval_mask_mod(lo_ctx: torch.Tensor, hi_ctx: torch.Tensor, lo_own: torch.
 
 
 def block_mask_of(ranges: torch.Tensor, num_keys: int, static: bool = False) -> Any:
-    """A flex BlockMask over `num_keys` keys for the folded rows whose ranges `row_ranges` gave:
-    a KV tile is partial for a query tile when some row's range touches it, full when every row's
-    range contains it (a row's two ranges never meet: hi_ctx <= anchor < T <= lo_own). `static`:
-    the mask's captured ranges padded to a power of two of rows and marked static (module
-    docstring), for a compiled layer."""
+    """A flex BlockMask over `num_keys` keys for the folded rows whose ranges `row_ranges` gave: a KV
+    tile is partial for a query tile when some row's range touches it, full when every row's range
+    contains it (a row's two ranges never meet: hi_ctx <= anchor < T <= lo_own). `static`: the
+    captured ranges padded and marked static, for a compiled layer (module docstring)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     rows = ranges.shape[1]
@@ -251,10 +250,8 @@ def probe_fa4(head_dim: int, device: torch.device) -> float:
     results = []
     for fa4 in (True, False):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-        if fa4:
-            out = masked_attention(*leaves, block_mask_of_blocks(blocks, groups, None, static=True), fa4=True)
-        else:
-            out = block_flash_attention(*leaves, plan_of_blocks(blocks, 8, groups))
+        out = (masked_attention(*leaves, block_mask_of_blocks(blocks, groups, None, static=True), fa4=True) if fa4
+               else block_flash_attention(*leaves, plan_of_blocks(blocks, 8, groups)))
         out.backward(dout)
         results.append([out.detach().float()] + [x.grad.float() for x in leaves])
     return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results))

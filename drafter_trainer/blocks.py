@@ -32,13 +32,10 @@ class BlockError(ValueError):
 
 
 def anchor_seed(seed: int, epoch: int, seq: int) -> int:
-    """Deterministic 63-bit seed for the anchors of batch `seq` in `epoch`.
-
-    Deliberately independent of the trainer rank: after a restart a batch may be re-delivered to
-    a different rank, and it must get the same anchors there (replay determinism: the saved model
-    holds each batch's gradient exactly once, computed from one fixed set of blocks). Anchors are
-    still resampled every epoch because `epoch` is part of the seed.
-    """
+    """Deterministic 63-bit seed for the anchors of batch `seq` in `epoch` (so resampled every epoch).
+    Independent of the rank on purpose: after a restart a batch may be re-delivered to another rank
+    and must get the same anchors there (the saved model holds each batch's gradient exactly once,
+    computed from one fixed set of blocks)."""
     digest = hashlib.blake2b(f"dfpipe-anchors:{seed}:{epoch}:{seq}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -58,15 +55,12 @@ def document_ids(doc_lens: torch.Tensor) -> torch.Tensor:
 
 def sample_anchors(loss_mask: torch.Tensor, doc_lens: torch.Tensor, max_anchors: int,
                    generator: torch.Generator) -> torch.Tensor:
-    """Anchor positions: p with loss_mask[p] and loss_mask[p+1] set and p+1 in p's document.
-
-    `max_anchors` caps anchors per *document*, as the DFlash recipe does: every document gets
-    min(max_anchors, its candidates), chosen uniformly without replacement. A per-packed-batch cap
-    would supervise a 30-document batch like one document and throw away most of the target's
-    hidden states. Returns the anchors sorted ascending (int64, on loss_mask's device). The draw
-    happens on the generator's device; a CPU generator seeded with `anchor_seed` gives the same
-    anchors on CPU and GPU.
-    """
+    """Anchor positions, sorted (int64, on loss_mask's device): p with loss_mask[p] and loss_mask[p+1]
+    set and p+1 in p's document. `max_anchors` caps anchors per *document*, as the DFlash recipe
+    does (every document gets min(max_anchors, its candidates), uniformly without replacement): a
+    per-batch cap would supervise a 30-document batch like one document and throw away most of the
+    target's hidden states. The draw runs on the generator's device: a CPU generator seeded with
+    `anchor_seed` gives the same anchors on CPU and GPU."""
     if max_anchors < 0:
         raise BlockError(f"max_anchors must be >= 0, got {max_anchors}")
     mask = loss_mask.to(torch.bool)
@@ -107,9 +101,8 @@ class BlockBatch:
     context_doc       [T]    int64  document of each packed token
     context_positions [T]    int64  position of each packed token in its document
 
-    `host`: the anchors, documents and document starts (context indices) of the blocks as host
-    lists, when `chunks` has read them already; the host-side mask builders then read nothing
-    from the device.
+    `host`: the blocks' anchors, documents and document starts (context indices) as host lists once
+    `chunks` has read them, so the host-side mask builders read nothing from the device.
     """
 
     block_input_ids: torch.Tensor
@@ -148,17 +141,12 @@ class BlockBatch:
         return tuple(np.asarray(x, dtype=np.int64) for x in self.host)
 
     def chunks(self, blocks_per_chunk: int) -> list[tuple["BlockBatch", int, int]]:
-        """The blocks in runs of at most `blocks_per_chunk`, each with the context it can see.
-
-        Returns (chunk, first, end): `chunk` holds blocks [i, i + blocks_per_chunk) and only the
-        context tokens [first, end) of the batch: from the start of its first block's document to
-        its last anchor (context is visible strictly before an anchor, in the anchor's document;
-        anchors are sorted, so the run's documents all start inside that range). Anchors are
-        re-based to the slice. A chunk of padding blocks gets an empty context.
-
-        One host read of the anchors per batch (the chunk bounds are host integers); none when
-        the batch is a single chunk.
-        """
+        """The blocks in runs of at most `blocks_per_chunk`, each as (chunk, first, end): `chunk` holds
+        blocks [i, i + blocks_per_chunk) and only the batch's context tokens [first, end), from its
+        first block's document start to its last anchor (context is visible strictly before an
+        anchor, in its document; anchors are sorted, so the run's documents all start in that
+        range), its anchors re-based to the slice; a chunk of padding blocks has no context. One
+        host read of the anchors per batch (the bounds are host integers), none for a single chunk."""
         n = self.num_blocks
         bounds = chunk_bounds(n, blocks_per_chunk, self.block_size)
         if len(bounds) == 1:
@@ -184,13 +172,11 @@ class BlockBatch:
 
 def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mask_token_id: int,
                  gamma: float, pad_to: int | None = None) -> BlockBatch:
-    """Cut one block per anchor (see the module docstring for the alignment).
-
-    Padding: a batch without anchors still gets one padding block, so every trainable parameter
-    takes part in the backward pass (DDP ranks must all reduce the same parameters); `pad_to`
-    pads further to a fixed block count (fixed shapes for compiled kernels). Padding blocks
-    belong to no document, so they see no context and no other block, and their weights are 0.
-    """
+    """Cut one block per anchor (the module docstring's alignment). A batch without anchors still
+    gets one padding block, so every trainable parameter takes part in the backward pass (DDP ranks
+    must all reduce the same parameters); `pad_to` pads to a fixed block count (fixed shapes for
+    compiled kernels). Padding blocks belong to no document: they see no context and no other
+    block, and weigh 0."""
     if block_size < 2:
         raise BlockError(f"block_size must be >= 2, got {block_size}")
     if mask_token_id < 0:
@@ -212,10 +198,8 @@ def build_blocks(batch: PackedBatch, anchors: torch.Tensor, block_size: int, mas
     context_positions = batch.position_ids.to(torch.int64)
     doc_end = torch.cumsum(doc_lens, 0)                      # exclusive end of each document
 
-    valid = torch.zeros(n, dtype=torch.bool, device=device)
-    valid[:n_real] = True
-    anchor_idx = torch.zeros(n, dtype=torch.int64, device=device)
-    anchor_idx[:n_real] = anchors
+    valid = torch.arange(n, device=device) < n_real
+    anchor_idx = torch.cat([anchors, anchors.new_zeros(n - n_real)])
     anchor_doc = torch.where(valid, context_doc[anchor_idx], -1)
     anchor_pos = torch.where(valid, context_positions[anchor_idx], 0)
 
@@ -265,16 +249,14 @@ class AttentionLayout:
     index differences. Blocks never see each other (block ids differ); padding blocks have
     document -1 and so see only their own MASK tokens: a finite softmax over no data.
 
-    `visible` is the only definition of the rule; the mask builders below evaluate it on
-    different key sets: all T + N*B keys (dense), or per segment (split); block_mask.py restates
-    it as two key ranges per query row (flex, fa4; tests compare them). A segment is a
-    run of at most `segment_rows` query rows from consecutive blocks of one document, with the
-    context keys [document start, last anchor of the run): every context key any of its queries
-    may see, and few others. The split path scores a segment's queries against those keys plus
-    each query's own B block keys only; keys outside are provably invisible, so skipping them
-    changes nothing but the cost (blocks in anchor order make the segments tight). In a
-    sliding-window layer the range starts at most window - 1 keys before the run's first anchor
-    (`window_segments`): in a long document the keys before that are invisible too.
+    `visible` is the only definition of the rule: the mask builders below evaluate it on all
+    T + N*B keys (dense) or per segment (split); block_mask.py restates it as two key ranges per
+    query row (flex, fa4; tests compare them). A segment is a run of at most `segment_rows` query
+    rows of consecutive blocks of one document, with the context keys [document start, last anchor
+    of the run): every context key its queries may see, and few others (blocks are in anchor
+    order). The split path scores a segment's queries against those and each query's own B block
+    keys only: the keys left out are provably invisible. On a sliding-window layer the range starts
+    at most window - 1 keys before the run's first anchor (`window_segments`).
     """
 
     block_size: int

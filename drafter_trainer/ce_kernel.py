@@ -8,11 +8,10 @@ One program per row, two passes over it:
     2. (with a gradient) w * (exp(x - lse) - onehot) written over the logits in their dtype.
 
 So a logit is read twice and written once: about 6 bytes per bf16 logit, the least a two-pass
-softmax gradient can move. Inductor's version of the same math (`torch.compile` of the torch
-spelling, which this replaced) ran as a reduction kernel at about 1 TB/s and a pointwise one at
-about 2 on the H200: 191 ms of a 4.9 s step at the 27B shape, where this kernel takes 114 ms
-for the same 176 chunks (docs/benchmarks.md, runs AA6 and AA8). And it needs no compile before
-the first step can use it, only Triton's JIT, cached on disk.
+softmax gradient can move. Inductor's compile of the torch spelling ran as a reduction kernel at
+about 1 TB/s and a pointwise one at about 2 on the H200: 191 ms of a 4.9 s step at the 27B shape,
+against this kernel's 114 ms for the same 176 chunks (docs/benchmarks.md, runs AA6 and AA8). And
+the first step needs no compile for it, only Triton's JIT, cached on disk.
 
 The math is the reference's, in fp32 from the half-precision logits: ties of the max go to the
 first index (torch.argmax), a NaN logit makes the row's CE and gradient NaN (the step then skips

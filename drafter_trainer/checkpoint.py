@@ -14,21 +14,18 @@
         .del-step-00000090-<pid>/   being removed (past train.keep_checkpoints)
     <out_dir>/trainer.lock      held (flock) by the one trainer using out_dir
 
-A checkpoint is evidence, not trust: `verify_checkpoint` checks every file's size and digest
-against the manifest, and the facts against each other (meta.json says the manifest's step,
-epoch and `have`, and the audit counts the sample ids give; the sample ids' batch seqs are
-exactly `have`); `TrainerState.load` verifies before it loads anything, and the trainer resumes
-from the newest checkpoint that verifies, moving each one that does not aside (`move_aside`).
-The manifest's digests are no signature (anyone who can write the folder can reseal it), so
-state.pt is only ever loaded with torch's weights-only unpickler (`_load_state`): tensors and
-plain values; a pickle that names anything else fails `state.pt-unsafe` and runs nothing.
+A checkpoint is evidence, not trust: nothing of it is loaded before `verify_checkpoint` checked
+every file against the manifest and the facts against each other, and the trainer resumes from
+the newest checkpoint that verifies, moving each one that does not aside (`move_aside`). The
+manifest's digests are no signature (anyone who can write the folder can reseal it), so state.pt
+is only ever loaded with torch's weights-only unpickler (`_load_state`): a pickle that names
+anything beyond tensors and plain values fails `state.pt-unsafe` and runs nothing.
 
 Only the service's own user (and root) may control what is read: out_dir, checkpoints/, each
-checkpoint folder and file must be theirs and not writable by group or others, and every folder
-above them theirs or sticky (`common.trust.state_path_problem`, ssh's StrictModes rule). Anything
-else raises `common.trust.Untrusted` naming the path, its owner and its mode, before anything in
-out_dir is written (`check_run_folder`); `service.allowed_uids` (who may talk to the sockets) does
-not extend to it.
+checkpoint folder and file theirs and not writable by group or others, every folder above them
+theirs or sticky (`common.trust.state_path_problem`, ssh's StrictModes rule; `service.allowed_uids`,
+who may talk to the sockets, does not extend to it). Anything else raises `Untrusted` naming the
+path, its owner and its mode, before anything in out_dir is written (`check_run_folder`).
 
 Every save is write-new-then-rename, and so is every removal (a folder leaves the names a resume
 considers before its files go): a `kill -9` at any moment leaves the previous complete checkpoint
@@ -38,6 +35,7 @@ config, another endpoint) never sweeps the first one's checkpoint in progress.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -112,9 +110,9 @@ class NoCheckpointVerifies(Exception):
 
 def check_run_folder(out_dir: str, create: bool = False) -> None:
     """Untrusted unless out_dir and its checkpoints/ (when there) pass `state_path_problem` for this
-    user and root; an out_dir that is not there passes (nothing in it is read). `create`: a missing out_dir is made first, each missing folder 0755 (the umask
-    may only take more away: never writable by group or others), once the folder it goes into has
-    passed the same rule (sticky allowed there); nothing is created under a folder that fails."""
+    user and root; a missing out_dir passes (nothing in it is read), or with `create` is made, each
+    missing folder 0755 (the umask may only take more away) once the folder it goes into has passed
+    the same rule (sticky allowed there): nothing is created under a folder that fails."""
     trusted = trusted_uids()
     if not create and not os.path.lexists(out_dir):
         return   # nothing there to read: the caller finds no checkpoint
@@ -126,14 +124,11 @@ def check_run_folder(out_dir: str, create: bool = False) -> None:
         if problem := state_path_problem(parent, trusted, sticky_ok=True):
             raise Untrusted(f"train.out_dir {out_dir}: {problem}")
         for folder in reversed(missing):
-            try:
+            with contextlib.suppress(FileExistsError):   # made meanwhile: the check below says whose it is
                 os.mkdir(folder, 0o755)
-            except FileExistsError:   # made meanwhile: the check below says whose it is
-                pass
     for path in (out_dir, checkpoint_root(out_dir)):
-        if path == out_dir or os.path.lexists(path):
-            if problem := state_path_problem(path, trusted):
-                raise Untrusted(f"train.out_dir {out_dir}: {problem}")
+        if (path == out_dir or os.path.lexists(path)) and (problem := state_path_problem(path, trusted)):
+            raise Untrusted(f"train.out_dir {out_dir}: {problem}")
 
 
 def lock_out_dir(out_dir: str) -> int:
@@ -343,12 +338,11 @@ def _write_error(error: BaseException) -> OSError | None:
 
 
 def _save_state(state: dict[str, Any], f: Any) -> None:
-    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write.
-
+    """torch.save into an open file; a failed write (a full disk) raises OSError, as any other write:
     torch's zip writer lets the write's OSError (ENOSPC) out of the record it was writing, then
-    closing the archive raises RuntimeError("unexpected pos ...") over it: that RuntimeError is a
-    write failure and becomes an OSError. A RuntimeError with no failed write under it (a bug, a
-    device error while copying a tensor out) is not one and stays what it is."""
+    closing the archive raises RuntimeError("unexpected pos ...") over it, which becomes an OSError
+    here. A RuntimeError with no failed write under it (a bug, a device error while copying a
+    tensor out) stays what it is."""
     import torch
 
     try:
@@ -389,19 +383,13 @@ def save_checkpoint(out_dir: str, step: int, files: dict[str, Writer], facts: di
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as beside, \
                 ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checkpoint-piece") as pieces:
             for fname, fill in files.items():
-                f = _HashedFile(os.path.join(tmp, fname), beside, pieces)
-                try:
+                with contextlib.closing(_HashedFile(os.path.join(tmp, fname), beside, pieces)) as f:
                     fill(f)
                     entries[fname] = f.finish()
-                finally:
-                    f.close()
                 fault_point(f"checkpoint.after.{fname}")
-            manifest = _HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)
-            try:
+            with contextlib.closing(_HashedFile(os.path.join(tmp, MANIFEST), beside, pieces)) as manifest:
                 manifest.write(_manifest_bytes(facts, entries))
                 manifest.finish()
-            finally:
-                manifest.close()
         fsync_path(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -753,11 +741,10 @@ def _have(path: str, wire: Any, where: str) -> SeqSet:
 
 def verify_checkpoint(path: str) -> Verified:
     """Every check a checkpoint must pass before anything in it is believed; CheckpointInvalid
-    naming the first that fails. Reads every file once (state.pt's pieces in parallel) and
-    unpickles nothing: the manifest's own digest, each file's size, then the small files' digests
-    and the facts (meta.json's step, epoch and have are the manifest's; the samples' batch seqs
-    are `have`, `check_samples`), then state.pt's digest. A checkpoint without a manifest is from
-    before manifests: `_verify_legacy`."""
+    naming the first that fails. Reads every file once (state.pt's pieces in parallel), unpickles
+    nothing: the manifest's own digest, each file's size, the small files' digests and the facts
+    (meta.json's step, epoch and have are the manifest's, `check_samples`, `check_accounting`),
+    then state.pt's digest. One without a manifest is from before manifests: `_verify_legacy`."""
     if not os.path.isdir(path):
         raise CheckpointInvalid(path, "folder-missing", "no such checkpoint folder")
     if problem := state_path_problem(path, trusted_uids()):
@@ -786,9 +773,7 @@ def verify_checkpoint(path: str) -> Verified:
         if size != entry["size"]:
             raise CheckpointInvalid(path, f"{name}-size", f"{size} bytes, the manifest says {entry['size']}")
     small = {}
-    for name in files:
-        if name == STATE:
-            continue
+    for name in [n for n in files if n != STATE]:
         small[name] = _read(path, name)
         if bytes_digest(small[name]) != files[name]["sha256"]:
             raise CheckpointInvalid(path, f"{name}-checksum", "its content is not what was written")
@@ -941,8 +926,7 @@ class TrainerState:
         raise ConfigError(
             f"drafter: the checkpoint {path} holds a drafter of {shape(theirs)}, this config builds one of "
             f"{shape(mine)} ({where}: {theirs.get(where, 'absent')} in the checkpoint, {mine.get(where, 'absent')} "
-            f"here): "
-            f"keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
+            f"here): keep its drafter settings to resume it, or train the new shape in another train.out_dir or "
             f"afresh (`dfpipe demo --fresh`, or move {os.path.dirname(path)} away)")
 
     def restore_weights(self, model: torch.nn.Module) -> None:

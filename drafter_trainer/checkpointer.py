@@ -94,8 +94,8 @@ class Checkpointer:
 
     def take_target(self, target: dict[str, Any]) -> None:
         """The target the server runs (WELCOME): the export records which, checkpoints its precision."""
-        self.target_dir = str(target.get("model_path") or "")   # the export records which target
-        self.target_precision = str(target.get("precision") or "")   # and what precision it ran in
+        self.target_dir = str(target.get("model_path") or "")
+        self.target_precision = str(target.get("precision") or "")
         before = self.resumed.target_precision if self.resumed is not None else ""
         if before and before != self.target_precision:
             log.warning("%s was trained on a target in %s; the target server now runs %s: training goes on "
@@ -119,8 +119,7 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, reason: str) -> bool:
-        """Save (rank 0) and commit; False when the save failed. A failed save costs nothing but
-        the save: the target keeps every uncommitted seq, and training goes on to the next try."""
+        """Save (rank 0) and commit; False when the save failed (what that costs: the module docstring)."""
         with self.stages.time("checkpoint"):
             have, samples, seqs = self.accounting.gather(self.ranks)
             saved = self._save(reason, have, samples, seqs) if self.ranks.rank == 0 else False
@@ -151,6 +150,8 @@ class Checkpointer:
             self.last, meta = state.save(self.out_dir, self.cfg.train.keep_checkpoints, reason,
                                          acc.epoch_samples, acc.hosts, acc.epoch_documents)
         except OSError as e:
+            self.failures += 1
+            self.last_error = f"step {acc.step}: {e}"
             if holds == self.last_holds:
                 return self._same_state_not_saved_again(reason, e)
             return self._failed(reason, e)
@@ -167,17 +168,13 @@ class Checkpointer:
         periodic checkpoint on a disk with no room for a second copy: nothing is lost, so it counts
         as saved (and never toward train.max_checkpoint_failures); the checkpoint stands as it is."""
         step = self.accounting.step
-        self.failures += 1
-        self.last_error = f"step {step}: {error}"
         log.warning("checkpoint at step %d (%s) could not be written again: %s. Nothing is lost: %s holds this "
                     "same step and its %d batches, and stands", step, reason, error, self.last, self.last_batches)
         return True
 
     def _failed(self, reason: str, error: OSError) -> bool:
         step = self.accounting.step
-        self.failures += 1
         self.failures_in_row += 1
-        self.last_error = f"step {step}: {error}"
         limit = self.cfg.train.max_checkpoint_failures
         log.error("checkpoint at step %d (%s) failed: %s. Nothing is lost: the last good checkpoint is %s and the "
                   "target keeps every batch since. %d of %d failures in a row.", step, reason, error,

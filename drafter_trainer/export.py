@@ -101,12 +101,10 @@ def _save_weights(state: dict[str, torch.Tensor], path: str) -> None:
 
 def export_drafter(model: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16,
                    target_dir: str | None = None, target_precision: str = "") -> None:
-    """Write model's trainable weights (cast to dtype) and config to out_dir, atomically.
-
-    target_dir: the target folder the drafter was trained on; its config fingerprint and path are
-    recorded under the config's `dfpipe` key (None: nothing recorded, `dfpipe eval` then warns).
-    target_precision: the precision the target ran in while it trained, recorded there too ("": none).
-    """
+    """Write model's trainable weights (cast to dtype) and config to out_dir, atomically. Recorded
+    under the config's `dfpipe` key: the config fingerprint and path of `target_dir`, the target
+    folder the drafter was trained on (None: not recorded, `dfpipe eval` then warns), and
+    `target_precision`, the precision the target ran in ("": not recorded)."""
     cfg = model.config
     if cfg.num_target_layers <= max(cfg.target_layer_ids):
         raise ExportError(f"num_target_layers ({cfg.num_target_layers}) must be the target's layer count; "
@@ -175,11 +173,8 @@ def check_target(config: DFlashConfig, target_dir: str) -> None:
 
 def load_drafter(export_dir: str, target_dir: str | None, device: str | torch.device = "cpu",
                  attn_impl: str = "auto") -> DFlashDraftModel:
-    """Rebuild a drafter from an export folder (fp32 parameters, eval mode).
-
-    target_dir: the target checkpoint whose embed_tokens / lm_head the drafter uses; None leaves
-    them unloaded (set_target_head later).
-    """
+    """Rebuild a drafter from an export folder (fp32 parameters, eval mode), with the embed_tokens /
+    lm_head of the target checkpoint `target_dir` (None: unloaded, for set_target_head later)."""
     from safetensors.torch import load_file
 
     try:

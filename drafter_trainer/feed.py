@@ -65,10 +65,8 @@ class RingFeed:
     """Batches for one trainer rank, in the order the target server announced them."""
 
     def __init__(self, cfg: Config, rank: int, world: int, job: str, have: SeqSet, device: torch.device,
-                 epochs: int, credit: int = 2, depth: int = 2, heldout: bool | None = None, *,
-                 secret: str, plan: str = "") -> None:
-        """heldout: ask for the held-out batches (default: rank 0 when train.eval_every > 0);
-        secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged);
+                 epochs: int, credit: int = 2, depth: int = 2, *, secret: str, plan: str = "") -> None:
+        """secret: the trainer's session secret (rank 0 draws it, every rank passes the same; never logged);
         plan: the id of the data plan `have` was trained from ("": none known)."""
         self.plan = plan
         # the server's plan when it refused ours (state "plan_changed"): see restart_accounting
@@ -78,7 +76,7 @@ class RingFeed:
         # the ranks that say HELLO to this host's server: torchrun's per-node count on a cluster
         self.ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.cluster.num_hosts > 1 else world
         self._secret = secret
-        self.wants_heldout = (rank == 0 and cfg.train.eval_every > 0) if heldout is None else heldout
+        self.wants_heldout = rank == 0 and cfg.train.eval_every > 0   # asks for the held-out batches
         self._heldout: dict[int, PackedBatch] = {}   # held-out index -> batch on the device
         self.heldout_expected = 0                    # Welcome.heldout_batches of the current server
         self.device = device
@@ -110,27 +108,19 @@ class RingFeed:
         self._last_server = time.monotonic()
 
     # ---- training-thread API -----------------------------------------------------------------
-    def start(self, timeout: float | None = None) -> Welcome:
-        """Connect and wait for the first WELCOME (the target may still be loading: keep waiting)."""
-        self.launch()
-        return self.wait_welcome(timeout)
-
     def launch(self) -> None:
         """Start connecting in the I/O thread; the caller may do other set-up until wait_welcome."""
         self._thread.start()
 
-    def wait_welcome(self, timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Welcome | None:
+    def wait_welcome(self, stop: Callable[[], bool]) -> Welcome | None:
         """The first WELCOME; None when `stop()` turned true first (SIGTERM, Ctrl-C, ctl shutdown).
         Every WAIT_LOG_S the rank logs what it waits for (the server's last refusal, or silence)."""
         started = time.monotonic()
         next_log = started + WAIT_LOG_S
         while not self.welcomed.wait(WAIT_POLL_S):
-            if stop is not None and stop():
+            if stop():
                 return None
             now = time.monotonic()
-            if timeout is not None and now - started >= timeout:
-                raise TimeoutError(f"no WELCOME from the target server at {self.cfg.service.target_endpoint} "
-                                   f"within {timeout}s ({self.error or 'no answer'})")
             if now >= next_log:
                 next_log = now + WAIT_LOG_S
                 log.info("rank %d: waiting %.0fs for the target server at %s: %s", self.rank, now - started,
@@ -138,11 +128,10 @@ class RingFeed:
         return self.welcome
 
     def waiting_for(self) -> str:
-        """What this rank waits for, in a line: a target server that runs (its last refusal, e.g.
-        still loading), or that none runs. A server holds its rings' producer role from its start
-        to its exit, so a role nobody holds is a server that exited (or never started), whatever
-        it answered last. An endpoint another user has comes first: that is what this rank sees
-        there, and no server of ours can bind it until it is gone."""
+        """What this rank waits for, in a line: a target server that runs (its last refusal, e.g. still
+        loading) or that none runs (a server holds its rings' producer role from start to exit: a role
+        nobody holds is a server that exited or never started, whatever it answered last). An endpoint
+        another user has comes first: this rank sees that there, and no server of ours can bind it."""
         r = self.cfg.ring
         if self.endpoint_untrusted:
             return f"not saying HELLO: {self.error}"
@@ -256,8 +245,7 @@ class RingFeed:
             # announces our slots again after the HELLO.
             self._awaiting_welcome = True
         chan.send(Hello(rid=next_rid(), job=self.job, secret=self._secret, rank=self.rank, world=self.world,
-                        pid=os.getpid(),
-                        start_time=process_start_time(os.getpid()) or 0, have=self.have(),
+                        pid=os.getpid(), start_time=process_start_time(os.getpid()) or 0, have=self.have(),
                         epochs=self.epochs, credit=self.credit, heldout=self.wants_heldout, plan=self.plan,
                         ranks_here=self.ranks_here))
 
@@ -270,7 +258,7 @@ class RingFeed:
             key = self._pub_key(msg)
             if key in self._seen_pubs:
                 if key in self._corrupt_pubs:   # our hand-back got lost (ZeroMQ is only the doorbell)
-                    self._hand_back(chan, msg)
+                    self._ack(chan, msg, corrupt=True)
                 return  # re-announced after a lost ack message: already handled or queued
             self._seen_pubs.add(key)
             if msg.heldout:
@@ -357,20 +345,14 @@ class RingFeed:
         self.counters["fenced"] += 1
         log.warning("rank %d fenced by the target server: %s", self.rank, reason)
         self._pending.clear()
-        dropped = []
         while True:
             try:
                 item = self._out.get_nowait()
             except queue.Empty:
                 break
             if isinstance(item, PackedBatch):
-                dropped.append(item.seq)
-        with self._lock:
-            acked = SeqSet()
-            for seq in self._acked:
-                if seq not in dropped:
-                    acked.add(seq)
-            self._acked = acked
+                with self._lock:
+                    self._acked.discard(item.seq)
         self._seen_pubs.clear()
         self._corrupt_pubs.clear()
         self.consumer_epoch = -1
@@ -412,7 +394,7 @@ class RingFeed:
                       "again (%d corrupt payload(s) so far)", self.rank, what, a.worker, a.slot, a.pub_seq, e,
                       self.counters["corrupt_payloads"])
             self._corrupt_pubs.add(self._pub_key(a))
-            self._hand_back(chan, a)
+            self._ack(chan, a, corrupt=True)
             return None
         except StaleSlot as e:
             self.counters["stale_slots"] += 1
@@ -425,15 +407,13 @@ class RingFeed:
             return None
         return batch
 
-    def _ack(self, chan: DealerChannel, a: Announce) -> None:
-        self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
+    def _ack(self, chan: DealerChannel, a: Announce, corrupt: bool = False) -> None:
+        """Ack in shared memory and by message; a corrupt payload is handed back by the message alone
+        (a shared-memory ack would count it delivered)."""
+        if not corrupt:
+            self.rings[a.worker].ack(a.slot, a.pub_seq, a.consumer_epoch)
         chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
-                      pub_seq=a.pub_seq, seq=a.seq))
-
-    def _hand_back(self, chan: DealerChannel, a: Announce) -> None:
-        """A corrupt payload: no shared-memory ack (that would count it delivered), only the message."""
-        chan.send(Ack(consumer_epoch=a.consumer_epoch, secret=self._secret, worker=a.worker, slot=a.slot,
-                      pub_seq=a.pub_seq, seq=a.seq, corrupt=True))
+                      pub_seq=a.pub_seq, seq=a.seq, corrupt=corrupt))
 
     def _take(self, chan: DealerChannel, a: Announce) -> None:
         batch = self._read(chan, a)

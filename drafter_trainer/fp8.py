@@ -10,22 +10,21 @@ one row costs precision in that row only:
     grad x   gx = gy W      gy  [M, N]              W^T  [K, N]                N  (features out)
     grad W   gW = gy^T x    gy^T [N, M]             x^T  [K, M]                M  (tokens)
 
-Hence each of x, gy and W is quantized twice, along each of its two axes. The scale of a row is
-its largest magnitude over 448 (e4m3's largest finite value), so the row fills the format's
-range; an all-zero row gets scale 1 (it quantizes to zeros either way); a NaN or Inf makes its
-row NaN, and the step's finite check skips the step as it does in bf16. Master weights stay fp32
-and are quantized straight from fp32 in every call (no bf16 copy in between); activations are
-quantized from the compute dtype (bf16), which is what autograd saves for the backward, as it does
-for a bf16 linear. Inside a compiled layer inductor fuses each quantization (amax, scale, cast,
-transpose) into the kernels around it; eager steps run it as separate kernels.
+Hence each of x, gy and W is quantized twice, along each of its two axes. A row's scale is its
+largest magnitude over 448 (e4m3's largest finite value), so the row fills the format's range
+(an all-zero row: 1); a NaN or Inf makes its row NaN, and the step's finite check skips the step
+as in bf16. Master weights stay fp32 and are quantized straight from fp32 in every call (no bf16
+copy between); activations from the compute dtype (bf16), what autograd saves for the backward,
+as for a bf16 linear. Inside a compiled layer inductor fuses each quantization (amax, scale,
+cast, transpose) into the kernels around it; eager steps run it as separate kernels.
 
 Three ways to run a scaled matmul:
 - "fp8": `torch._scaled_mm` on a GPU with FP8 tensor cores (compute capability 8.9 or newer):
   e4m3 x e4m3 with fp32 accumulation, bf16 out. cuBLAS needs the two non-token dimensions to be
   multiples of 16; the token dimension is padded with zero rows where it is contracted (grad W).
-- "fp8-emulated": the same quantization (the same e4m3 values and scales), then the product of the
-  dequantized operands in fp32, rounded to the compute dtype. Any device; it checks the effect of
-  FP8 rounding on training (the CPU's fidelity check, dfpipe.toy_target), not its speed.
+- "fp8-emulated": the same e4m3 values and scales, then the dequantized operands' product in
+  fp32, rounded to the compute dtype. Any device: it checks FP8 rounding's effect on training
+  (the CPU's fidelity check, dfpipe.toy_target), not its speed.
 - anything else: the plain matmul in the compute dtype (the bf16 path).
 
 The frozen target head's two matmuls in the loss (the logits h W^T and the input gradient g W) stay
@@ -65,12 +64,10 @@ def fp8_supported(device_index: int = 0) -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """The matmul precision the drafter runs: `precision` as configured, checked against `device`.
-
-    auto: fp8 where FP8 matmuls run (Hopper / Ada), else bf16. fp8 elsewhere is an error (the
-    message says what to set); fp8-emulated runs anywhere. bf16 means "the compute dtype" on a
-    CPU, which is fp32 there unless train.compute_dtype says otherwise.
-    """
+    """The matmul precision the drafter runs, `precision` checked against `device`: auto is fp8
+    where FP8 matmuls run (Hopper / Ada), else bf16; fp8 elsewhere is an error saying what to set;
+    fp8-emulated runs anywhere. bf16 means the compute dtype (on a CPU fp32, unless
+    train.compute_dtype says otherwise)."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"drafter.precision must be one of {PRECISIONS}, got {precision!r}")
     native = device.type == "cuda" and fp8_supported(device.index or 0)
@@ -98,10 +95,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> the rows of x^T quantized: (e4m3 [C, R] contiguous, fp32 scale [C, 1]).
-
-    On CUDA a tiled Triton kernel (`fp8_cols`): fused by inductor, the reduction across rows and
-    the transposed write made one slow kernel. Elsewhere `quantize_rows` of the transpose."""
+    """x [R, C] -> the rows of x^T quantized: (e4m3 [C, R] contiguous, fp32 scale [C, 1]); on CUDA
+    by a tiled Triton kernel (`fp8_cols` says why), elsewhere `quantize_rows` of the transpose."""
     if x.is_cuda and fp8_cols.AVAILABLE:
         return torch.ops.dfpipe.fp8_quantize_cols(x)
     return quantize_rows(x.t())
@@ -130,18 +125,15 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 
 
 def _out_dtype(x: torch.Tensor, emulate: bool) -> torch.dtype:
-    """The compute dtype: autocast's when on, else the input's; _scaled_mm's row-wise path
-    writes bf16 only."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-    else:
-        dtype = x.dtype
-    return dtype if emulate else torch.bfloat16
+    """The compute dtype (autocast's when on, else the input's) emulated; bf16 else, the only one
+    _scaled_mm's row-wise path writes."""
+    if not emulate:
+        return torch.bfloat16
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 class _Fp8Linear(torch.autograd.Function):
     """y = x W^T with all three matmuls scaled e4m3 (the table in the module docstring), x [M, K].
-
     No shape arithmetic in here (`linear` flattens and restores the leading dims): a symbolic size
     inside the function breaks dynamo's tracing of a second call in a layer compiled with dynamic
     shapes (torch 2.13: "lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""

@@ -9,10 +9,10 @@ on the H200 at the 27B widths it ran at about 65 GB/s, 6.6 ms for one [12288, 17
 
 Two passes, each over [BLOCK_R, BLOCK_C] tiles of x (rows contiguous), one program a tile so
 every SM has work (one program per column strip walking all R rows left most of the H200 idle:
-723 ms of a 3.9 s FP8 step in run CA): pass 1 writes each tile's column maxima to a small
-[tiles along R, C] buffer; torch reduces that buffer to one maximum per column; pass 2 scales, casts and
-stores its tile transposed (Triton moves it through shared memory, so the stores are contiguous
-along R). x is read twice and the e4m3 result written once.
+723 ms of a 3.9 s FP8 step in run CA): pass 1 writes each tile's column maxima to a small [tiles
+along R, C] buffer, which torch reduces to one maximum per column; pass 2 scales, casts and stores
+its tile transposed (through shared memory: the stores are contiguous along R). x is read twice
+and the e4m3 result written once.
 
 It is a torch custom op (`dfpipe::fp8_quantize_cols`): opaque to inductor, which calls it where
 the graph needs it instead of fusing it into the kernels around it. Rows of a tensor are

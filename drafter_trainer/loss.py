@@ -17,9 +17,8 @@ chunk would cost three). The head is frozen: no gradient for W is ever formed.
 Between the two matmuls lies only elementwise work over a [chunk, V] buffer, and at V = 248K it
 is the largest elementwise cost of a step: run as separate eager kernels (cast, gather, argmax,
 max, exp, sum, divide, one-hot, scale, cast back) it moves ~50 bytes per logit. On CUDA it is one
-Triton kernel (`ce_kernel`: two passes over each row, ~6 bytes per bf16 logit, no compile
-needed, so the eager first steps have it too); elsewhere `softmax_cross_entropy`, eager. The
-matmuls stay outside, in cuBLAS.
+Triton kernel (`ce_kernel`: ~6 bytes per bf16 logit, and no compile, so the eager first steps
+have it too), elsewhere `softmax_cross_entropy`; the matmuls stay in cuBLAS.
 """
 from __future__ import annotations
 
@@ -53,25 +52,15 @@ class LossOutput:
     count_per_pos: torch.Tensor
     num_anchors: int
 
-    @property
-    def accuracy_per_pos(self) -> torch.Tensor:
-        """[B] accuracy by block position (0 where nothing was counted, always at position 0)."""
-        return self.correct_per_pos / self.count_per_pos.clamp_min(1)
-
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
                           need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk's elementwise half of the loss head, computed in fp32 from `logits` [R, V].
-
-    Returns (sum_r w_r * CE_r as an fp32 scalar, [R] bool argmax == label, and when need_grad
-    dCE/dlogits = w * (softmax - onehot) in the logits' dtype, else None). The logits are the
-    caller's scratch: the gradient is written over them (and returned), so a chunk never holds a
-    second [R, V] buffer in the matmul's dtype.
-
-    The eager spelling (CPU, and CUDA without Triton; CUDA runs `ce_kernel`): in place on one fp32
-    buffer that holds the logits, then exp(logits - max), then the gradient (out of place would
-    allocate three more).
-    """
+    """One chunk's elementwise half of the loss head, in fp32 from `logits` [R, V]: (sum_r w_r * CE_r
+    as an fp32 scalar, [R] bool argmax == label, and with need_grad dCE/dlogits = w * (softmax -
+    onehot) written over the logits, the caller's scratch, and returned, so a chunk never holds a
+    second [R, V] buffer in the matmul's dtype; else None). The eager spelling (CPU, and CUDA
+    without Triton): in place on one fp32 buffer that holds the logits, then exp(logits - max),
+    then the gradient (out of place would allocate three more)."""
     x = logits.float()                               # the logits themselves when they are fp32
     target_logit = x.gather(1, labels[:, None]).squeeze(1)
     correct = x.argmax(dim=-1) == labels
@@ -110,11 +99,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         with torch.autocast(hidden.device.type, enabled=False):
-            start, n = 0, hidden.shape[0]
-            while start < n:
-                end = min(n, start + chunk)
-                rows = slice(start, end)
-                start = end
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
                 logits = hidden[rows].to(head.dtype) @ head.t()
                 chunk_ce, correct[rows], grad_logits = cross_entropy(logits, labels[rows], row_weights[rows],
                                                                      need_grad)
@@ -149,28 +135,23 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
                 weight_norm: torch.Tensor | None = None, *, layer_ids: list[int] | None = None,
                 blocks_per_chunk: int = 0, backward: bool = False) -> LossOutput:
     """The drafter over the blocks and the chunked, decay-weighted CE, `blocks_per_chunk` blocks
-    at a time (0: `auto_blocks_per_chunk`).
+    at a time (0: `auto_blocks_per_chunk`), each chunk attending to the slice of the context side
+    (fc, hidden_norm, each layer's context keys and values; computed once a batch) that its blocks
+    can see (`BlockBatch.chunks`).
 
-    The context side (fc, hidden_norm, each layer's context keys and values) is computed once per
-    batch; each chunk of blocks attends to the slice of it that its blocks can see
-    (`BlockBatch.chunks`). backward=False returns a differentiable loss (every chunk's graph is
-    kept: the reference, and held-out eval under no_grad where no graph is kept at all).
-    backward=True runs the backward pass chunk by chunk, so only one chunk's activations exist at
-    a time: each chunk's gradient reaches the drafter's weights and a detached slice of the
-    context keys/values (the context the chunk sees); the slices' gradients are summed in fp32
-    and flow through the context side once, its keys and values computed again with a graph
-    (only fc's is kept through the chunks). The same gradients as one backward over all blocks
-    (tests), with memory that grows with the chunk and its context slice, not with the number of
-    anchors. The returned loss is then detached.
+    backward=False returns a differentiable loss (every chunk's graph kept: the reference, and the
+    held-out eval under no_grad). backward=True runs the backward chunk by chunk, so only one
+    chunk's activations exist at a time, and returns the loss detached: each chunk's backward stops
+    at its detached context slice, and the slices' gradients, summed in fp32, flow through the
+    context side once (`_context_side`). The same gradients as one backward over all blocks (tests),
+    with memory that grows with the chunk and its context slice, not with the number of anchors.
 
-    chunk: rows per lm_head chunk (see `_ChunkedLinearCrossEntropy`).
-    weight_norm: the denominator to use instead of this batch's weight_sum, so that every rank's
-    tokens weigh the same as in one big batch: all_reduce(weight_sum) when the ranks' gradients
-    are summed. layer_ids: the capture's layer ids (slot metadata); when given, the model refuses
-    planes from other layers or in another order (falls back to `batch.layer_ids`).
-    Raises ContextError for a batch that must be skipped (wrong layers, zero or non-finite
-    states, token ids outside the vocabulary).
-    """
+    chunk: rows per lm_head chunk (`_ChunkedLinearCrossEntropy`). weight_norm: the denominator
+    instead of this batch's weight_sum, all_reduce(weight_sum) when the ranks' gradients are
+    summed, so every rank's tokens weigh as in one big batch. layer_ids: the capture's (default
+    `batch.layer_ids`); given, the model refuses planes of other layers or in another order.
+    ContextError: a batch that must be skipped (wrong layers, zero or non-finite states, token ids
+    outside the vocabulary)."""
     target_hidden = _checked_context(model, batch, blocks, chunk, layer_ids)
     b = blocks.block_size
     device = target_hidden.device
@@ -191,11 +172,9 @@ def dflash_loss(model: DFlashDraftModel, batch: PackedBatch, blocks: BlockBatch,
     correct_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     count_per_pos = torch.zeros(b, dtype=torch.float32, device=device)
     per_chunk = blocks_per_chunk or auto_blocks_per_chunk(b)
-    chunk_rows = _loss_rows_by_chunk(blocks, per_chunk)
-    for i, (part, first, end) in enumerate(blocks.chunks(per_chunk)):
+    for rows, (part, first, end) in zip(_loss_rows_by_chunk(blocks, per_chunk), blocks.chunks(per_chunk)):
         kv = [tuple(t[first:end].detach().requires_grad_() if backward else t[first:end] for t in pair)
               for pair in context_kv]
-        rows = chunk_rows[i]
         part_ce, correct = _chunk_ce(model, part, kv, rows, chunk)
         if backward:
             (part_ce / norm).backward()
@@ -287,11 +266,8 @@ def _loss_rows_by_chunk(blocks: BlockBatch, per_chunk: int) -> list[torch.Tensor
 
 
 def implied_acceptance_length(acc_per_pos: torch.Tensor) -> float:
-    """Expected tokens per draft-verify step: 1 + sum_{k>=1} prod_{j<=k} acc_j.
-
-    acc_per_pos holds acc_1 .. acc_{B-1}, the accuracies of the drafted positions, without the
-    anchor (LossOutput.accuracy_per_pos[1:]). Treats positions as independent (a product of
-    marginal accuracies), so it estimates, not measures, the decode-time acceptance length tau.
-    """
+    """Expected tokens per draft-verify step, 1 + sum_{k>=1} prod_{j<=k} acc_j, of acc_1 .. acc_{B-1}
+    (the drafted positions' accuracies, no anchor). Positions are taken as independent (a product of
+    marginal accuracies): an estimate, not a measure, of the decode-time acceptance length tau."""
     acc = acc_per_pos.detach().to(torch.float64).flatten()
     return float(1.0 + torch.cumprod(acc, 0).sum())

@@ -1,17 +1,9 @@
-"""The DFlash draft model (arXiv 2602.06036): Qwen3-style layers that read the target's context.
-
-    target_hidden [k, T, H]  (k captured target layers, in target_layer_ids order)
-        -> fc: concat to [T, k*H], Linear(k*H -> H)  -> hidden_norm           = context [T, H]
-    block_input_ids [N, B]   (t[anchor], MASK x (B-1) per block)
-        -> frozen target embed_tokens                                         = noise_embedding [N*B, H]
-    num_hidden_layers x DFlashDecoderLayer:
-        queries from the block tokens only; keys/values = [context ; block tokens], both through
-        the layer's own k_proj/v_proj, then k_norm and RoPE over the concatenation
-    -> norm -> (frozen target lm_head, applied by the loss in chunks)
-
+"""The DFlash draft model (arXiv 2602.06036) as the trainer runs it: Qwen3-style layers that read
+the target's context, drawn in modeling_dflash.py's docstring (the exported, standalone copy).
 The context enters the layers only as extra keys and values: it is never updated by a layer and
-makes no queries. Who may see whom (strictly-before-anchor context, same document, sliding
-window, no block sees another) is defined once in `blocks.AttentionLayout`.
+makes no queries; the target's lm_head is applied by the loss, in chunks. Who may see whom
+(strictly-before-anchor context, same document, sliding window, no block sees another) is
+defined once in `blocks.AttentionLayout`.
 
 This module has no transformers dependency: the exported folder is what the serving engines
 (SGLang, vLLM, the z-lab loader) read, and they bring their own implementation.
@@ -57,12 +49,9 @@ class ContextError(ValueError):
 
 @dataclass
 class DFlashConfig:
-    """The drafter's shape; field names are the exported config.json names.
-
-    num_target_layers is the *target's* decoder-layer count (what published DFlash configs and
-    the SGLang/vLLM loaders mean by it), not the number of captured layers; that one is
-    `num_context_layers` = len(target_layer_ids). 0 means unknown (export then refuses).
-    """
+    """The drafter's shape, in the exported config.json's names. num_target_layers is the *target's*
+    decoder-layer count (as published DFlash configs and the SGLang/vLLM loaders mean it; 0:
+    unknown, export refuses), not the captured layers' (`num_context_layers`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -118,11 +107,9 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, target_config: dict[str, Any], drafter_cfg: DrafterConfig,
                     layer_ids: Sequence[int] | None, mask_token_id: int) -> "DFlashConfig":
-        """Shape a drafter for a target from its HF config.json (text fields may sit under text_config).
-
-        Width and vocabulary are the target's; heads, head_dim and MLP width are the target's
-        unless the drafter config overrides them. layer_ids None/empty: the DFlash default.
-        """
+        """Shape a drafter for a target from its HF config.json (text fields may sit under text_config):
+        width and vocabulary the target's, heads, head_dim and MLP width too unless the drafter config
+        overrides them; layer_ids None/empty: the DFlash default."""
         text = text_config(target_config)
 
         def get(key: str, default: Any = None) -> Any:
@@ -222,13 +209,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int, int, int]],
                     masks: list[torch.Tensor], block_size: int) -> torch.Tensor:
     """Attention of each segment's queries over [its context keys ; own block], one softmax (CPU path).
-
-    q [1, h, N*B, d]; k, v [1, h_kv, T+N*B, d]; segments and masks from AttentionLayout
-    (split_masks). Scores are materialised per segment, [h, rows, ctx keys + B], instead of
-    [h, N*B, T+N*B]: other documents, context at or after the last anchor of the segment and
-    other blocks' keys are never visible, so they are never scored. GQA without copying K/V:
-    each kv head serves its g query heads as g*rows rows of one matmul.
-    """
+    q [1, h, N*B, d]; k, v [1, h_kv, T+N*B, d]; segments and masks: AttentionLayout.split_masks.
+    Scores are materialised per segment, [h, rows, ctx keys + B], not [h, N*B, T+N*B]: the keys left
+    out (other documents, context from the segment's last anchor on, other blocks) are never visible.
+    GQA without copying K/V: each kv head serves its g query heads as g*rows rows of one matmul."""
     _, h, n_q, d = q.shape
     h_kv = k.shape[1]
     g, ctx_len = h // h_kv, k.shape[2] - n_q
@@ -264,12 +248,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 class SplitMask:
-    """The split path's mask: AttentionLayout.window_segments and the split_masks of one window.
-
-    A plain object, opaque to torch.compile: a compiled layer hands it to the eager split
-    attention without looking inside, so it neither guards on nor recompiles for the number of
-    segments of a batch (a tuple would be unpacked and guarded on its length).
-    """
+    """The split path's mask: AttentionLayout.window_segments and the split_masks of one window. A
+    plain object, opaque to torch.compile: a compiled layer hands it to the eager split attention
+    unopened, so it neither guards on nor recompiles for a batch's number of segments (a tuple
+    would be unpacked and guarded on its length)."""
 
     __slots__ = ("segments", "masks")
 
@@ -448,20 +430,14 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDraftModel(nn.Module):
     """fc + hidden_norm + layers + norm (trainable) around the target's frozen embed_tokens / lm_head.
-
     The trainable state dict is exactly the export format (`fc.weight`, `hidden_norm.weight`,
     `layers.N....`, `norm.weight`). split_fc computes fc as sum_i fc_i(h_i) over column blocks
     of the same `fc.weight`, so it never builds the [T, k*H] concatenation (and autograd saves
     views of the planes instead of a copy): a compute choice, not a different model.
-    attn_impl: "split" (scores against [context ; own block] only, materialised; fastest on CPU),
-    "sdpa" (fused kernel over all keys with a dense boolean mask), "flex" (one block-sparse
-    masked call, block_mask.py, flex's Triton kernels, compiled on CUDA), "fa4" (the same call on
-    FlashAttention 4's Hopper kernels; SM90, bf16/fp16), "flash" (FlashAttention 2's varlen
-    kernels over per-segment and per-block key runs, block_flash.py; CUDA, bf16/fp16); "auto":
-    `resolve_attention`. All evaluate one mask rule (AttentionLayout.visible) and agree
-    numerically (tests).
-    `compile_for` runs the decoder layers and the two norms through torch.compile (see there).
-    """
+    attn_impl: "split" (`split_attention`; fastest on CPU), "sdpa" (a dense boolean mask), "flex"
+    and "fa4" (one block-sparse masked call on flex's Triton or FlashAttention 4's kernels,
+    block_mask.py), "flash" (FlashAttention 2 over key runs, block_flash.py); "auto":
+    `resolve_attention`. All evaluate AttentionLayout.visible and agree numerically (tests)."""
 
     FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
 
@@ -547,7 +523,9 @@ class DFlashDraftModel(nn.Module):
 
     # -- execution -----------------------------------------------------------------------------
     def compile_for(self, device: torch.device | str, mode: str = "auto") -> bool:
-        """Compile (or, with "off", stop compiling) each decoder layer and hidden_norm / norm in place.
+        """Compile (or, with "off", stop compiling) each decoder layer and hidden_norm / norm in place;
+        whether the model is compiled now. Asking again for the current state changes nothing (a
+        second Module.compile would trace anew).
 
         Around the GEMMs a layer is a chain of small elementwise kernels (fp32 RMSNorm: cast,
         square, mean, rsqrt, scale, cast; RoPE: concatenated halves, two products and a sum;
@@ -556,15 +534,11 @@ class DFlashDraftModel(nn.Module):
         what they were (cuBLAS, the SDPA kernels; flex becomes part of the layer's graph). The
         math is unchanged (tests compare with eager): emulate_precision_casts makes a fused kernel
         round to bf16 wherever eager does (RMSNorm's cast before the fp32 gain, SwiGLU's silu),
-        where inductor would otherwise keep the fp32 intermediate. Module.compile keeps the
-        modules, so the state dict keys, checkpoints and export are those of the eager model.
-
-        "auto" compiles on CUDA only: on the CPU (tests, the demo) the compile time is not repaid.
-        Shapes are dynamic: the context length T changes with every batch. The split attention
-        path runs eager between two compiled graphs of a layer (`_layer_split_attention`). Returns
-        whether the model is compiled now. Asking
-        again for the current state changes nothing (a second Module.compile would trace anew).
-        """
+        where inductor would keep the fp32 intermediate. Module.compile keeps the modules: state
+        dict keys, checkpoints and export are the eager model's. "auto" compiles on CUDA only: on
+        the CPU (tests, the demo) the compile time is not repaid. Shapes are dynamic (T changes with
+        every batch); split and flash attention run eager between a layer's compiled graphs
+        (`_layer_split_attention`)."""
         global _layer_split_attention, _layer_flash_attention
         if mode not in COMPILE_MODES:
             raise DrafterConfigError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
@@ -590,12 +564,10 @@ class DFlashDraftModel(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def check_context(self, target_hidden: torch.Tensor, layer_ids: Sequence[int] | None) -> None:
-        """Refuse captured states from the wrong layers, or with zero / non-finite token rows.
-
-        An all-zero row is never a real hidden state (the residual stream carries the
-        embedding): it means a capture that did not happen (hybrid-layer hooks, padding rows of
-        a batched forward). Costs one O(k*T*H) reduction and one device sync per batch.
-        """
+        """Refuse captured states from the wrong layers, or with zero / non-finite token rows: an
+        all-zero row is never a real hidden state (the residual stream carries the embedding) but a
+        capture that did not happen (hybrid-layer hooks, padding rows of a batched forward). Costs
+        one O(k*T*H) reduction and one device sync per batch."""
         k, h = self.config.num_context_layers, self.config.hidden_size
         if target_hidden.dim() != 3 or target_hidden.shape[0] != k or target_hidden.shape[2] != h:
             raise ContextError(f"target_hidden shape {tuple(target_hidden.shape)}, expected [{k}, T, {h}] "
@@ -645,12 +617,10 @@ class DFlashDraftModel(nn.Module):
 
     def forward(self, target_hidden: torch.Tensor, block_input_ids: torch.Tensor, blocks: BlockBatch,
                 *, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
-        """[N, B, H] block hidden states after the final norm (logits: `compute_logits`).
-
-        target_hidden [k, T, H] planes in target_layer_ids order (pass the capture's layer_ids
-        to have the order checked); block_input_ids [N, B]; blocks gives positions, documents
-        and validity (build_blocks).
-        """
+        """[N, B, H] block hidden states after the final norm (logits: `compute_logits`) of
+        target_hidden [k, T, H] planes in target_layer_ids order (pass the capture's layer_ids to
+        have the order checked), block_input_ids [N, B] and the blocks' positions, documents and
+        validity (build_blocks)."""
         self.check_context(target_hidden, layer_ids)
         self.check_token_ids(block_input_ids, "block_input_ids")
         n, b = block_input_ids.shape
@@ -679,12 +649,9 @@ class DFlashDraftModel(nn.Module):
     def decode_blocks(self, noise_embedding: torch.Tensor, context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                       blocks: BlockBatch) -> torch.Tensor:
         """[N*B, H] embedded block tokens + each layer's context keys/values -> [N*B, H] after the
-        final norm.
-
-        `context_kv` covers exactly the context tokens of `blocks` (all of a batch, or the slice
-        that `BlockBatch.chunks` cut for a chunk of its blocks). No input checks here: the
-        trainer's kernel warm-up runs it on random inputs before the target's head is loaded.
-        """
+        final norm. `context_kv` covers exactly the context tokens of `blocks` (a batch's, or a
+        chunk's slice: `BlockBatch.chunks`). No input checks: the trainer's kernel warm-up runs it
+        on random inputs before the target's head is loaded."""
         device = noise_embedding.device
         segment_rows = self.segment_rows or SEGMENT_ROWS.get(device.type, SEGMENT_ROWS["cpu"])
         layout = AttentionLayout.from_blocks(blocks, segment_rows)

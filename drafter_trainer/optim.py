@@ -24,11 +24,9 @@ class OptimizerStateError(ValueError):
 
 def build_adamw(params: Sequence[torch.nn.Parameter], t: TrainConfig, device: torch.device,
                 saved: dict[str, Any] | None = None) -> torch.optim.AdamW:
-    """AdamW from `train.*`, with a saved state_dict's moments and step counts when resuming.
-
-    The saved hyper-parameters are not kept (`load_state_dict` takes them): a trainer restarted
-    with a new weight decay or betas trains with the new ones.
-    """
+    """AdamW from `train.*`, with a saved state_dict's moments and step counts when resuming, not its
+    hyper-parameters (`load_state_dict` takes them): a restart with a new weight decay or betas
+    trains with the new ones."""
     opt = torch.optim.AdamW(list(params), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                             fused=device.type == "cuda")
     if saved is not None:

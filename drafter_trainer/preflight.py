@@ -2,14 +2,13 @@
 its ranks, locks train.out_dir, binds its endpoint or waits for a target server
 (common/preflight.py). The trainer reads the target's folder itself (config.json, embedding,
 lm_head, the tokenizer's mask token), so a local target.model is checked here as well as on the
-server.
-
-And the mask token: the drafter's block positions after the anchor hold the target tokenizer's
-mask token, found in target.tokenizer when set (the folder the server prepares data with), else in
+server. And the mask token, which the drafter's block positions after the anchor hold: the target
+tokenizer's, from target.tokenizer when set (the folder the server prepares data with), else from
 the model folder.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -30,18 +29,14 @@ MASK_TOKENS = ("<|mask|>", "<|MASK|>", "<mask>")
 def added_token_ids(target_dir: str) -> dict[str, int]:
     """content -> id of a tokenizer folder's added tokens, read from its JSON files."""
     found: dict[str, int] = {}
-    try:
-        with open(os.path.join(target_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            for tid, tok in (json.load(f).get("added_tokens_decoder") or {}).items():
-                found.setdefault(str(tok["content"]), int(tid))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    try:
-        with open(os.path.join(target_dir, "tokenizer.json"), encoding="utf-8") as f:
-            for tok in json.load(f).get("added_tokens") or []:
-                found.setdefault(str(tok["content"]), int(tok["id"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    unreadable = (OSError, ValueError, KeyError, TypeError, AttributeError)
+    config = os.path.join(target_dir, "tokenizer_config.json")
+    with contextlib.suppress(*unreadable), open(config, encoding="utf-8") as f:
+        for tid, tok in (json.load(f).get("added_tokens_decoder") or {}).items():
+            found.setdefault(str(tok["content"]), int(tid))
+    with contextlib.suppress(*unreadable), open(os.path.join(target_dir, "tokenizer.json"), encoding="utf-8") as f:
+        for tok in json.load(f).get("added_tokens") or []:
+            found.setdefault(str(tok["content"]), int(tok["id"]))
     return found
 
 

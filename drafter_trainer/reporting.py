@@ -46,8 +46,7 @@ class Reporter:
         """This rank's step's loss output `out`: the status's numbers, and every train.log_every steps
         rank 0's log line and metrics record (with the plan's `progress`)."""
         self.anchors += out.num_anchors
-        acc = (out.correct_per_pos / out.count_per_pos.clamp_min(1)).tolist()
-        self.acc_per_pos = acc[1:]  # position 0 is the anchor itself (no loss)
+        self.acc_per_pos = (out.correct_per_pos / out.count_per_pos.clamp_min(1)).tolist()[1:]   # 0: the anchor
         self.last_loss = float(out.loss.detach()) if out.loss.numel() == 1 else float("nan")
         if self.sink is None or step % max(1, self.cfg.train.log_every) != 0:
             return

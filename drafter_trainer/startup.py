@@ -45,11 +45,6 @@ class StoppedWaiting(Exception):
     """Told to stop (SIGTERM, Ctrl-C, ctl shutdown) before the target server answered: nothing to save."""
 
 
-def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
-    """The autocast dtype of the drafter's step (StepSettings)."""
-    return StepSettings.from_config(cfg, device).compute_dtype
-
-
 def drafter_gamma(cfg: Config) -> float:
     """The loss decay per block position: drafter.gamma, or the published default for the block size."""
     return cfg.drafter.gamma or default_gamma(cfg.drafter.block_size)
@@ -59,13 +54,9 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
                   ) -> tuple[DFlashDraftModel, CompileBehind | None]:
     """The drafter for `target` (WELCOME's target info: model_path, layer_ids), eager, and the
     background compile its first steps run beside (`CompileBehind`; None when nothing compiles);
-    `times` gets the seconds of the build and of reading the target's embedding and head (which
-    run side by side).
-
-    The one start-up path: at the 27B shape and the published anchor density a restart's first
-    step came 14 s after the process started this way, and 33 s when the first step compiled
-    (docs/benchmarks.md).
-    """
+    `times` gets the seconds of the build and of the target head's read beside it. At the 27B shape
+    a restart's first step came 14 s after the process started this way, 33 s when the first step
+    compiled (docs/benchmarks.md)."""
     target_dir = target["model_path"]
     with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
         target_config = json.load(f)
@@ -87,8 +78,9 @@ def build_drafter(cfg: Config, target: dict[str, Any], device: torch.device, tim
             model = DFlashDraftModel(dcfg, split_fc=cfg.drafter.split_fc, attn_impl=cfg.drafter.attn,
                                      precision=resolve_precision(cfg.drafter.precision, device))
         if needs_compiling(cfg.drafter.compile, cfg.drafter.attn, device, dcfg.head_dim):
-            behind = CompileBehind(model, device, cfg.drafter.compile, compute_dtype_for(cfg, device),
-                                   cfg.data.token_budget, cfg.drafter.max_anchors, drafter_gamma(cfg))
+            behind = CompileBehind(model, device, cfg.drafter.compile,
+                                   StepSettings.from_config(cfg, device).compute_dtype, cfg.data.token_budget,
+                                   cfg.drafter.max_anchors, drafter_gamma(cfg))
         t1 = time.perf_counter()
         head, head_s = reading.result()   # re-raises the reader's error (a missing or mis-shaped head)
         model.set_target_head(head.embed_tokens, None if head.tied else head.lm_head)
@@ -121,7 +113,6 @@ def same_target(guess: dict[str, Any] | None, announced: dict[str, Any]) -> bool
                 and list(guess["layer_ids"]) == list(announced["layer_ids"]))
     except (KeyError, TypeError):
         return False
-
 
 
 def check_host(cfg: Config, ranks: Ranks, plan_id: str, target: dict[str, Any]) -> None:
@@ -163,17 +154,15 @@ class Startup:
         target the server runs (the checkpoint's weights not yet in it)."""
         cfg, t_connect = self.cfg, time.perf_counter()
         feed.launch()
-        # The drafter is built while the feed connects: on a restart against a warm target the two
-        # overlap, and the build is most of the time to the first step.
         guess = expected_target(cfg)
         built = build_drafter(cfg, guess, self.ranks.device, self.times) if guess is not None else None
         if built is not None and built[1] is not None and not feed.welcomed.wait(WELCOME_GRACE_S):
             built[1].start()   # the target is still loading or warming up: compile while waiting for it
-        welcome = feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
+        welcome = feed.wait_welcome(lambda: self.flags.stop)
         new_plan = feed.state == "plan_changed"
         if new_plan:
             self._new_plan(feed.refused_for_plan, feed, accounting, checkpointer)   # PlanChanged unless train.new_plan
-            welcome = feed.wait_welcome(timeout=None, stop=lambda: self.flags.stop)
+            welcome = feed.wait_welcome(lambda: self.flags.stop)
         self.times["welcome_s"] = time.perf_counter() - t_connect
         if feed.state == "failed":
             raise RuntimeError(f"feed failed: {feed.error}")

@@ -5,13 +5,11 @@ backward pass and optimizer update.
     over the ranks -> clip -> finite on every rank? -> AdamW at the step's learning rate
 
 The trainer's loop and the benchmarks (bench/gpu/drafter_rig.py, bench/trainer_bench.py) call
-`train_step`, so what is measured and what is tested is the step users run (toy-target drafters
-are trained through the services, the trainer itself).
-
-Ranks. A rank without a batch this step passes `blocks=None`: it contributes zero loss and zero
-gradient to the collectives, so uneven epochs never deadlock. The loss is normalised by the weight
-sum over all ranks, so gradients are summed, not averaged, across ranks: every rank's tokens
-weigh as in one big batch.
+`train_step`: what is measured and tested is the step users run (toy-target drafters too are
+trained by the trainer itself). A rank without a batch this step passes `blocks=None` and
+contributes zero loss and gradient to the collectives, so uneven epochs never deadlock; the loss
+is normalised by the weight sum over all ranks, so gradients are summed, not averaged: every
+rank's tokens weigh as in one big batch.
 """
 from __future__ import annotations
 
@@ -93,11 +91,8 @@ def allreduce_grads(ranks: Ranks, params: list[torch.nn.Parameter]) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     ranks.sum_(flat)
-    i = 0
-    for p in params:   # views of the one summed buffer: no second copy of every gradient
-        n = p.numel()
-        p.grad = flat[i:i + n].view_as(p)
-        i += n
+    for p, g in zip(params, flat.split([p.numel() for p in params])):   # views of the one summed buffer
+        p.grad = g.view_as(p)
 
 
 @dataclass(frozen=True)
@@ -131,10 +126,8 @@ class StepResult:
 def train_step(model: DFlashDraftModel, optimizer: Any, batch: PackedBatch | None, blocks: BlockBatch | None,
                lr: float, settings: StepSettings, ranks: Ranks) -> StepResult:
     """One optimizer step of `optimizer` (torch's AdamW over the trainable weights, optim.build_adamw).
-
-    A non-finite loss or gradient on any rank skips the update on every rank (applied=False) and
-    leaves the weights as they were; the caller counts it.
-    """
+    A non-finite loss or gradient on any rank skips the update on every rank (applied=False), the
+    weights left as they were; the caller counts it."""
     device = next(model.parameters()).device
     local_w = blocks.weights.sum().detach().double().reshape(1).cpu() if blocks is not None \
         else torch.zeros(1, dtype=torch.float64)

@@ -52,12 +52,9 @@ class TargetHead:
 
 
 class FrozenTargetWeight(nn.Module):
-    """A frozen [V, H] target matrix held by the drafter; empty ([0, H]) until loaded.
-
-    A module (not a bare tensor) so the state-dict names read `embed_tokens.weight` and
-    `lm_head.weight`, and a parameter with requires_grad=False (not a buffer) so DDP neither
-    reduces it nor re-broadcasts it every step.
-    """
+    """A frozen [V, H] target matrix held by the drafter; empty ([0, H]) until loaded. A module (not
+    a bare tensor) so the state-dict names read `embed_tokens.weight` and `lm_head.weight`, and a
+    parameter with requires_grad=False (not a buffer) so DDP neither reduces nor re-broadcasts it."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -207,11 +204,9 @@ def read_tensors(wanted: list[tuple[str, str]], device: str | torch.device) -> l
 
 def read_target_head(target_dir: str, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None) -> TargetHead:
-    """Load only embed_tokens and lm_head from a target checkpoint folder (sharded or not).
-
-    dtype None keeps the checkpoint's dtype (bf16 for published targets: half the memory of fp32,
-    and the drafter computes in bf16 on GPU anyway).
-    """
+    """Load only embed_tokens and lm_head from a target checkpoint folder (sharded or not); dtype None
+    keeps the checkpoint's (bf16 for published targets: half fp32's memory, and the drafter computes
+    in bf16 on GPU anyway)."""
     cfg = _target_config(target_dir)
     text = text_config(cfg)
     names = _tensor_files(target_dir)

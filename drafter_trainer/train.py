@@ -2,33 +2,24 @@
 
 Read `Trainer.train_loop` top to bottom: take a batch, agree with the other ranks, anchors -> blocks
 -> DFlash loss -> backward -> all-reduce -> finite check -> clip -> step -> account -> checkpoint.
-The rest is components that own their state: `Startup` (startup.py: the drafter built while the
-feed connects, the target hand-over, the background compile), `Accounting` (accounting.py: the
-exactly-once accounting and the progress through the plan), `Checkpointer` (checkpointer.py: resume,
-save, export), `Validator` (validator.py: the held-out eval) and `Reporter` (reporting.py: the step
-log, metrics records and the status's training numbers).
+The rest is components that own their state, each a module of its own: `Startup` (startup.py),
+`Accounting` (accounting.py), `Checkpointer` (checkpointer.py), `Validator` (validator.py: the
+held-out eval) and `Reporter` (reporting.py).
 
-Ranks and epochs. Each rank gets its own stream of batches from the target server. Every step
-the ranks all-reduce a few flags (has a batch, stop, checkpoint, ...); a rank without a batch
-this step contributes zero loss and zero gradient, so uneven epochs and slow deliveries never
-deadlock. The loss is normalised by the weight sum over all ranks (so gradients are summed, not
-averaged, across ranks). Training ends when every rank has seen EpochEnd for every epoch and no
-rank holds a batch.
+Ranks and epochs. Each rank gets its own stream of batches from the target server; every step
+the ranks agree on a few flags (`Accounting.agree`), and a rank without a batch takes part with
+zero loss and gradient (step.py), so uneven epochs and slow deliveries never deadlock. Training
+ends when every rank has seen EpochEnd for every epoch and no rank holds a batch.
 
-Exactly once. The model state after step s contains exactly the batches trained in steps <= s.
-A checkpoint stores that set (`have`) and the sample ids per epoch; a restarted trainer sends
-`have` in HELLO and the target server delivers every other seq. The learning-rate schedule is a
-function of progress (batches held / batches planned), so it survives restarts and a change in
-the number of ranks.
+Exactly once (accounting.py). A restarted trainer sends the checkpoint's `have` in HELLO and the
+target server delivers every other seq. The learning-rate schedule is a function of progress
+(batches held / batches planned), so it survives restarts and a change in the number of ranks.
 
-Hosts. With `cluster.num_hosts` > 1 the world spans several hosts, each with its own target
-server serving its shard of every epoch (common/cluster.py); a rank reads only from its host's
-server. The checkpoint (global rank 0) holds the union of every rank's batches, each host's first
-rank commits its host's shard of it to its server, and a restarted rank says HELLO with its
-host's shard. The schedule's progress and the end of training count the whole plan.
-
-Held-out eval. With `train.eval_every` > 0, every `eval_every` steps rank 0 scores the drafter
-on the target server's held-out batches (validator.py), without a collective.
+Hosts. With `cluster.num_hosts` > 1 each host has its own target server serving its shard of every
+epoch (common/cluster.py); a rank reads only from its host's server. The checkpoint holds every
+rank's batches; each host's first rank commits its host's shard to its server, and a restarted
+rank says HELLO with its host's shard. The schedule's progress and the end of training count the
+whole plan.
 """
 from __future__ import annotations
 
@@ -71,6 +62,11 @@ from .warmup import compiling_in_background
 log = logging.getLogger(__name__)
 
 PAUSED_POLL_S = 0.05   # a paused or drained trainer's loop period (flags, stop, the background compile)
+# What a refusal exits with, the first that matches (an UntrustedConfig is a ConfigError): ConfigError
+# is also a setting this host cannot run (fp8 without FP8 matmuls), Untrusted another user's endpoint,
+# folder or file, ChannelError e.g. an endpoint path too long.
+REFUSALS = ((OutDirInUse, EXIT_OUT_DIR_IN_USE), (PlanChanged, EXIT_PLAN_CHANGED), (ConfigError, EXIT_CONFIG),
+            (Untrusted, EXIT_UNTRUSTED), (ChannelError, EXIT_FAILED))
 
 
 def lr_at(progress: float, cfg: Config) -> float:
@@ -301,23 +297,12 @@ def main(cfg: Config) -> int:
     try:
         trainer.setup()
         rc = trainer.train_loop()
-    except OutDirInUse as e:
-        log.error("trainer refused: %s", e)
-        rc = EXIT_OUT_DIR_IN_USE
-    except PlanChanged as e:
-        log.error("trainer refused: %s", e)
-        rc = EXIT_PLAN_CHANGED
-    except ConfigError as e:     # a setting this host cannot run (drafter.precision fp8 without FP8 matmuls)
-        log.error("trainer refused: %s", e)
-        rc = EXIT_CONFIG
+    except (OutDirInUse, PlanChanged, ConfigError, Untrusted, ChannelError) as e:
+        log.error("trainer refused: %s", e)   # one line: it names what to change
+        rc = next(code for kind, code in REFUSALS if isinstance(e, kind))
     except NoCheckpointVerifies as e:
         log.error("trainer stopped: %s", e)
         rc = EXIT_NO_CHECKPOINT_VERIFIES
-    except Untrusted as e:      # another user's endpoint, folder or file: the line names it, its owner and the fix
-        log.error("trainer refused: %s", e)
-        rc = EXIT_UNTRUSTED
-    except ChannelError as e:   # e.g. an endpoint path too long: a setting to change, one line
-        log.error("trainer refused: %s", e)
     except StoppedWaiting as e:
         log.info("trainer stopping (%s) while waiting for the target server: nothing trained since the last "
                  "checkpoint, nothing to save", e)

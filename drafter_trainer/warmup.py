@@ -1,23 +1,21 @@
 """Compile the drafter's kernels beside a trainer's first steps: the trainer's one start-up path.
 
-A trainer's first step on CUDA pays for compiling its kernels: flex attention, the compiled
-layers (`drafter.compile`), the loss head's Triton kernel, Triton's autotuning, and cuBLAS's
-first calls. From the inductor cache that is still seconds (dynamo keeps no cache across
-processes); cold it is tens of seconds. Nothing in that work depends on the target's weights or
-on real data, only on shapes. So `CompileBehind` takes it off a restart's critical path: the
-trainer steps eagerly from its first batch while a background thread compiles and warms up the
-same kernels (`warm_up_kernels`, on random inputs) on a *shadow* drafter (same shapes, same weight
-memory), and switches to the compiled step at a step boundary once they are ready. Compiled code
-is found by the code object and guards, not by the module instance, so the model itself then
-compiles nothing more. (Compiling before the first step instead took twice as long to the first
-step at the 27B shape: docs/benchmarks.md.)
+A trainer's first step on CUDA pays for compiling its kernels (flex attention, the compiled layers
+of `drafter.compile`, the loss head's Triton kernel, Triton's autotuning, cuBLAS's first calls):
+seconds from the inductor cache (dynamo keeps none across processes), tens of seconds cold. None
+of it depends on the target's weights or on real data, only on shapes, so `CompileBehind` takes
+it off a restart's critical path: the trainer steps eagerly from its first batch while a thread
+compiles and warms up the same kernels (`warm_up_kernels`, on random inputs) on a *shadow*
+drafter (same shapes, same weight memory), and switches to the compiled step at a step boundary
+once they are ready. Compiled code is found by code object and guards, not by module instance, so
+the model itself then compiles nothing more. (Compiling before the first step instead took twice
+as long to the first step at the 27B shape: docs/benchmarks.md.)
 
-The warm-up shapes are those of a full batch (`data.token_budget` tokens, one chunk of blocks),
-then a second, shorter batch of odd length. Every graph is compiled with dynamic shapes, but a
-first trace still takes some values as given: Python ints it meets (say, in the flex mask's
-closure) become constants until a second value shows up, and inductor may assume a length is a
-multiple of 16. Real packed rows have every length up to the budget, so the first real batch
-would trigger that one recompile. The second pass takes it here instead.
+The warm-up runs a full batch (`data.token_budget` tokens, one chunk of blocks), then a shorter
+one of odd length: every graph is compiled with dynamic shapes, but a first trace still takes
+some values as given (Python ints it meets, say in the flex mask's closure, stay constants until
+a second value shows up; inductor may assume a length is a multiple of 16), so the first real
+batch, packed rows having every length up to the budget, would recompile once. Here instead.
 """
 from __future__ import annotations
 
@@ -78,13 +76,10 @@ def warm_up_kernels(model: DFlashDraftModel, device: torch.device, compute_dtype
 
 def warm_up_once(model: DFlashDraftModel, device: torch.device, compute_dtype: torch.dtype, tokens: int,
                  max_anchors: int, gamma: float, gen: torch.Generator) -> None:
-    """One forward and backward of everything after the frozen embedding, on random inputs. Needs
-    no target head; leaves the weights and their gradients as they were
-    (the gradients it makes are dropped), and the optimizer is not involved.
-
-    The random planes are in `compute_dtype`, which is what the target sends by default (bf16 on
-    CUDA): compiled graphs are specialised on dtypes, so planes of another dtype would compile again.
-    """
+    """One forward and backward of everything after the frozen embedding, on random inputs: no
+    target head, no optimizer, the weights and their gradients left as they were. The planes are
+    in `compute_dtype`, what the target sends by default (bf16 on CUDA): compiled graphs are
+    specialised on dtypes, so planes of another dtype would compile again."""
     cfg = model.config
     batch = random_batch(model, tokens, device, compute_dtype, gen)
     anchors = sample_anchors(batch.loss_mask.cpu(), batch.doc_lens.cpu(), max_anchors,
@@ -153,13 +148,11 @@ def _quick_gil_handover(on: bool) -> None:
 
 
 def eager_attention(impl: str, device: torch.device, head_dim: int) -> str:
-    """The attention path for the eager steps while compiling: flex and fa4 on CUDA are compiled
-    kernels (their first call traces and compiles), so those steps use the split path for flex,
-    which scores only the visible keys, and FlashAttention 2 (flash) for fa4: the same attention
-    (tests compare the paths). On the H200 at the published density an eager step took 7.4 s with
-    split against 10.0 s with the dense-mask SDPA kernel, which scores every key of the batch.
-    Flash (CUDA's auto in an eager model) runs precompiled kernels and stays (its sliding-window
-    layers run split while the model is eager)."""
+    """The attention path of the eager steps while compiling: on CUDA flex and fa4 are compiled
+    kernels (a first call traces and compiles), so those steps take split for flex (the same
+    attention, tests compare; on the H200 at the published density an eager step took 7.4 s with
+    split, 10.0 s with sdpa's dense mask over every key) and flash for fa4. Flash (CUDA's auto in
+    an eager model) runs precompiled kernels and stays (its sliding-window layers run split)."""
     if device.type != "cuda":
         return impl
     resolved = resolve_attention(impl, device.type, head_dim, compiled=False)
@@ -174,15 +167,12 @@ def needs_compiling(model_compile_mode: str, attn: str, device: torch.device, he
 
 
 def shadow_of(model: DFlashDraftModel, attn_impl: str) -> DFlashDraftModel:
-    """The same drafter over the same weight memory, to compile and warm up beside training.
-
-    Built on the meta device, so it allocates nothing; each trainable weight is a new tensor over
-    the model's storage. A new tensor, not a view: the optimizer's in-place updates of the model's
-    weights then do not bump the shadow's version counters (autograd would refuse its backward:
-    'modified by an inplace operation'). Its gradients are dropped as each is accumulated, so they
-    never reach the model's `.grad` and never all exist at once. The frozen target head stays empty
-    (the warm-up does not use it).
-    """
+    """The same drafter over the same weight memory, to compile and warm up beside training. Built
+    on the meta device (it allocates nothing), each trainable weight a new tensor over the model's
+    storage, not a view: the optimizer's in-place updates of the model's weights then do not bump
+    the shadow's version counters (autograd would refuse its backward: 'modified by an inplace
+    operation'). Its gradients are dropped as each is accumulated: they never reach the model's
+    `.grad` and never all exist at once. The frozen target head stays empty (the warm-up needs none)."""
     with torch.device("meta"):
         shadow = DFlashDraftModel(model.config, split_fc=model.split_fc, attn_impl=attn_impl)
     shadow.segment_rows, shadow.checkpoint_layers = model.segment_rows, model.checkpoint_layers
@@ -218,19 +208,13 @@ def compiling_in_background() -> bool:
 
 
 class CompileBehind:
-    """Compile and warm up the drafter's kernels in a background thread (`start`) while the
-    trainer steps eagerly; `switch_if_ready`, called at step boundaries, turns the model compiled
-    once they are.
-
-    The model is eager from construction until the switch, with an attention path that compiles
-    nothing (`eager_attention`). The background thread builds a `shadow_of` the model with the
-    configured attention, compiles it (`DFlashDraftModel.compile_for`, the same options as the
-    model gets later) and runs `warm_up_kernels` on it with batches BEHIND_SHRINK times smaller
-    than a training batch. A failed warm-up is logged and the model stays eager: slower, never
-    stopped; one that ran out of GPU memory still switches (the step compiles what it lacks).
-    Each rank compiles for itself; switching is local and changes no math beyond rounding (the
-    compiled layers match eager, tests), so ranks need not switch at the same step.
-    """
+    """The module docstring's background compile (`start`) and switch (`switch_if_ready`, at step
+    boundaries). Until the switch the model is eager, with an attention path that compiles nothing
+    (`eager_attention`); the thread compiles a `shadow_of` it with the configured attention and the
+    model's own compile options, and warms it up on batches BEHIND_SHRINK times smaller. A failed
+    warm-up leaves the model eager (slower, never stopped); one that ran out of GPU memory still
+    switches (the step compiles what it lacks). Each rank switches on its own: compiled layers
+    match eager up to rounding (tests), so ranks need not switch at the same step."""
 
     def __init__(self, model: DFlashDraftModel, device: torch.device, compile_mode: str,
                  compute_dtype: torch.dtype, tokens: int, max_anchors: int, gamma: float) -> None:
@@ -269,9 +253,7 @@ class CompileBehind:
             shadow.compile_for(self.device, self.compile_mode)
             tokens, anchors = self.shape
             warm_up_kernels(shadow, self.device, self.compute_dtype, tokens, anchors, self.gamma)
-        except torch.OutOfMemoryError as e:
-            # the warm-up's activations did not fit beside the training step: the compile itself
-            # is not at fault, so the model switches anyway and compiles what is left in its step
+        except torch.OutOfMemoryError as e:   # the warm-up's activations, not the compile: switch anyway
             self.out_of_memory = True
             self.error = f"{type(e).__name__}: {e}"
         except Exception as e:   # noqa: BLE001 - any other failure leaves the trainer eager, not dead
