@@ -17,10 +17,6 @@ from common.metrics import human_duration
 from common.protocol import Control, Reply, next_rid
 
 
-class ControlError(RuntimeError):
-    pass
-
-
 def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
             args: dict[str, Any] | None = None, curve: CurveKeys | None = None) -> dict[str, Any]:
     """One control request; a clear error (never a hang) when the service does not answer.
