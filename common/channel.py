@@ -176,8 +176,7 @@ def _refuse_live_ipc(endpoint: str, path: str) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise ChannelError(f"endpoint {endpoint}: {path} exists and is not a socket")
-    problem = owner_problem(path, st)
-    if problem:
+    if problem := owner_problem(path, st):
         raise _not_ours(endpoint, problem, path)
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     probe.settimeout(1.0)
@@ -324,8 +323,7 @@ def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> Non
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
         os.chmod(folder, 0o700)  # explicitly: mkdir's mode is filtered by the umask
     # a shared sticky folder (/tmp): the 0600 socket file is what keeps others out
-    problem = folder_problem(folder, trusted)
-    if problem:
+    if problem := folder_problem(folder, trusted):
         raise _not_ours(endpoint, problem, folder)
 
 
@@ -343,8 +341,7 @@ def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[C
         return None, None
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(folder):
-        problem = folder_problem(folder, trusted_uids(allowed_uids))
-        if problem:
+        if problem := folder_problem(folder, trusted_uids(allowed_uids)):
             return _not_ours(endpoint, problem, folder), None
     return None, folder
 

@@ -132,8 +132,7 @@ def check_target_folders(cfg: Config, problems: Problems, reader: str) -> None:
     tokenizer folder). `reader` says what the service reads there, for the message."""
     model = local_model(cfg)
     if model:
-        problem = model_folder_problem(model) or weights_problem(model)
-        if problem:
+        if problem := model_folder_problem(model) or weights_problem(model):
             problems.add(f"target.model: {problem} ({reader}); set target.model to the target's model folder "
                          f"(or builtin:tiny-qwen3.5 / builtin:tiny-qwen3)")
     if cfg.target.tokenizer:

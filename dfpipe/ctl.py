@@ -223,8 +223,7 @@ def trainer_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
         _line(("last checkpoint", os.path.basename(str(checkpoint).rstrip("/")) if checkpoint else "none"),
               ("failed saves", _num(failures)), ("skipped steps", _num(status.get("skipped_steps")))),
     ]
-    hosts = host_progress(status.get("cluster"))
-    if hosts:   # a multi-host run: each host's shard, so a host that lags shows
+    if hosts := host_progress(status.get("cluster")):   # a multi-host run: each host's shard, so a host that lags shows
         rows.append(_line(("batches per host", hosts)))
     return Panel(Group(*rows), title=_title("trainer", status.get("state", "?")), title_align="left")
 
