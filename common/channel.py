@@ -660,8 +660,7 @@ class RouterChannel(_Channel):
                 continue
             if self._repeat(peer, frames[1], now):
                 continue
-            msg = self._decode(frames[1], peer)
-            if msg is not None:
+            if (msg := self._decode(frames[1], peer)) is not None:
                 out.append((peer, msg))
         self.give_back_memory()
         return out
@@ -737,8 +736,7 @@ class DealerChannel(_Channel):
             left = deadline - time.monotonic()
             if not self.socket.poll(max(0, int(left * 1000 + 0.999)), zmq.POLLIN):
                 return None
-            msg = self._recv_one()
-            if msg is not None:
+            if (msg := self._recv_one()) is not None:
                 return msg
             if time.monotonic() >= deadline:
                 return None
@@ -747,8 +745,7 @@ class DealerChannel(_Channel):
         """Wait up to timeout_s, then take every pending valid message (up to MAX_DRAIN)."""
         out: list[Message] = []
         for frames in self._drain(timeout_s):
-            msg = self._check_frames(frames)
-            if msg is not None:
+            if (msg := self._check_frames(frames)) is not None:
                 out.append(msg)
         self.give_back_memory()
         return out

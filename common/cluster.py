@@ -40,8 +40,7 @@ def plan_shard(epoch_sizes: Sequence[int], num_hosts: int, host_rank: int) -> Se
     """Every seq host `host_rank` serves over the epochs of `epoch_sizes` (one run per epoch)."""
     shard = SeqSet()
     for r in epoch_ranges(epoch_sizes):
-        s = host_shard(r, num_hosts, host_rank)
-        if s:
+        if s := host_shard(r, num_hosts, host_rank):
             shard.add_range(s.start, s.stop)
     return shard
 

@@ -130,8 +130,7 @@ def check_capture_layers(cfg: Config, problems: Problems) -> None:
 def check_target_folders(cfg: Config, problems: Problems, reader: str) -> None:
     """target.model (a local folder: config.json and weights) and target.tokenizer (when set: a
     tokenizer folder). `reader` says what the service reads there, for the message."""
-    model = local_model(cfg)
-    if model:
+    if model := local_model(cfg):
         if problem := model_folder_problem(model) or weights_problem(model):
             problems.add(f"target.model: {problem} ({reader}); set target.model to the target's model folder "
                          f"(or builtin:tiny-qwen3.5 / builtin:tiny-qwen3)")

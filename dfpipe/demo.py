@@ -307,8 +307,7 @@ def _run(cfg: Config, config: str, overrides: list[str], out_dir: str, rerun: st
     if last is not None:
         print(f"implied acceptance   {_fmt(last.get('tau'), '.3f')} tokens per block "
               f"(random-weight target: a pipeline check, not a quality figure)")
-    ev = ts.get("eval")
-    if ev:
+    if ev := ts.get("eval"):
         print(f"held-out eval        step {ev['step']}: tau {ev['tau']:.3f}, loss {ev['loss']:.4f} "
               f"on {ev['batches']} held-out batches")
     if final_target:

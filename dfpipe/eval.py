@@ -459,8 +459,7 @@ def evaluate(target: TargetModel, drafter: Any, prompts: Prompts, max_new_tokens
         reference = references[i]
         accepted += spec.accepted
         generated += len(spec.tokens)
-        pos = first_difference(spec.tokens, reference.tokens)
-        if pos is not None:
+        if (pos := first_difference(spec.tokens, reference.tokens)) is not None:
             mismatch = Mismatch(
                 prompt=i, line=prompts.source_lines[i], position=pos,
                 speculative=spec.tokens[pos] if pos < len(spec.tokens) else None,

@@ -212,8 +212,7 @@ def regenerated_turn(message: dict[str, Any]) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
     # SGLang and `transformers serve` say `reasoning_content`; vLLM >= 0.11 says `reasoning`.
     # Stored as `reasoning_content`, the name Qwen3-style chat templates read.
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if reasoning:
+    if reasoning := message.get("reasoning_content") or message.get("reasoning"):
         turn["reasoning_content"] = reasoning
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]

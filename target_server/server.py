@@ -294,8 +294,7 @@ class TargetServer:
         self.channel.send(peer, msg)
 
     def free(self, worker: int, slot: int, pub_seq: int) -> None:
-        ring = self._ring(worker)
-        if ring is not None:
+        if (ring := self._ring(worker)) is not None:
             ring.discard(slot, pub_seq)
 
     def set_consumer_epoch(self, epoch: int) -> None:

@@ -314,8 +314,7 @@ class TargetRunner:
             rope = self.model.rotary_emb(hidden, rope_pos)
             for i in range(self.layer_ids[-1] + 1):
                 hidden = self._decoder_layer(i, hidden, rope, docs, linear_docs)
-                plane = self._plane_of.get(i)
-                if plane is not None:
+                if (plane := self._plane_of.get(i)) is not None:
                     out[plane].copy_(hidden[0], non_blocking=non_blocking)
         return out
 
