@@ -18,9 +18,6 @@ shell around it. It turns messages and timers into core events, gives the core s
 ring headers (`snapshot`), and carries out what the core returns (send, free a slot, set the
 consumer epoch, replan the work queue, scan again: `run_actions`).
 
-ZeroMQ is only the doorbell: slot headers are re-scanned on a timer, so a lost message costs
-latency, never a batch.
-
 Nothing a peer sends holds the loop: what it may send is bounded in bytes before decoding (the
 channel), a HELLO asking for epochs whose sizes are not known yet is answered "packing" while
 `EpochPlanner` packs them behind (each epoch once per server lifetime), and it says HELLO again.
