@@ -79,9 +79,8 @@ def model_folder_problem(path: str) -> str:
 
 def weights_problem(path: str) -> str:
     """What keeps the model folder `path` (with a config.json) from holding its weights ("" when it does)."""
-    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        return ""
-    if any(name.endswith(".safetensors") for name in os.listdir(path)):
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or any(
+            name.endswith(".safetensors") for name in os.listdir(path)):
         return ""
     return f"{path} has no *.safetensors weights (nor model.safetensors.index.json)"
 

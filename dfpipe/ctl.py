@@ -1,6 +1,7 @@
 """`dfpipe ctl` and `dfpipe top`: talk to running services over their control endpoints."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -49,8 +50,7 @@ def render(obj: Any, indent: int = 0) -> str:
         for k, v in obj.items():
             if isinstance(v, (dict, list)) and v and not all(isinstance(x, (int, float, str)) for x in
                                                              (v.values() if isinstance(v, dict) else v)):
-                lines.append(f"{pad}{k}:")
-                lines.append(render(v, indent + 1))
+                lines += [f"{pad}{k}:", render(v, indent + 1)]
             else:
                 lines.append(f"{pad}{k}: {v}")
         return "\n".join(lines)
@@ -258,19 +258,16 @@ def top(cfg: Config, interval: float = 1.0, iterations: int = 0, once: bool = Fa
     if once:
         console.print(view.frame(*view.poll()))
         return 0
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else contextlib.nullcontext()
     n = 0
     try:
-        if not console.is_terminal:
+        with live:
             while True:
                 target, trainer = view.poll()
-                print(f"{time.strftime('%H:%M:%S')} {summary_line(target, trainer)}", flush=True)
-                n += 1
-                if iterations and n >= iterations:
-                    return 0
-                time.sleep(interval)
-        with Live(console=console, auto_refresh=False) as live:
-            while True:
-                live.update(view.frame(*view.poll()), refresh=True)
+                if console.is_terminal:
+                    live.update(view.frame(target, trainer), refresh=True)
+                else:
+                    print(f"{time.strftime('%H:%M:%S')} {summary_line(target, trainer)}", flush=True)
                 n += 1
                 if iterations and n >= iterations:
                     return 0
