@@ -91,11 +91,9 @@ class TargetModel:
              dtype: torch.dtype | None = None) -> "TargetModel":
         """from_pretrained onto device; dtype default: fp32 on CPU, the checkpoint's own on CUDA.
 
-        A block-wise FP8 target runs as the target server runs it (target_server.fp8): FP8 matmuls
-        where the device has them, its weights dequantized elsewhere. transformers' own FP8 support
-        is not used: its matmul is a kernel fetched from the hub at the first forward, and its
-        dequantization assumes whole 128 x 128 blocks (it reads the block size off the scale grid).
-        The model is loaded unquantized and its FP8 weights converted here (`load_fp8_weights`)."""
+        A block-wise FP8 target runs as the target server runs it (target_server.fp8, which says why
+        not with transformers' own FP8 support): loaded unquantized, its FP8 weights converted here
+        (`load_fp8_weights`): FP8 matmuls where the device has them, dequantized weights elsewhere."""
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
