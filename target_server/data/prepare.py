@@ -84,13 +84,8 @@ def _documents(views: list[_Encoded], max_len: int, overlong: str, report: Prepa
     docs: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = 0
     for v in views:
-        ids, mask = v.ids, v.mask
-        if len(ids) <= max_len:
-            pieces = [(ids, mask)]
-        elif overlong == "truncate":
-            pieces = [(ids[:max_len], mask[:max_len])]
-        else:
-            pieces = [(ids[s:s + max_len], mask[s:s + max_len]) for s in range(0, len(ids), max_len)]
+        starts = range(0, len(v.ids), max_len) if overlong == "split" and len(v.ids) > max_len else (0,)
+        pieces = [(v.ids[s:s + max_len], v.mask[s:s + max_len]) for s in starts]
         useful = [p for p in pieces if p[1].any()]
         dropped += len(pieces) - len(useful)
         docs += useful
