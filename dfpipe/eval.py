@@ -175,18 +175,13 @@ def load_fp8_weights(model: torch.nn.Module, path: str, fmt: fp8.BlockFp8, fp8_m
 def stop_token_ids(tokenizer: Any) -> set[int]:
     """Tokens that end an answer: the chat turn end `<|im_end|>` and eos (whichever exist)."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)}
-    ids.discard(None)
-    ids.discard(tokenizer.unk_token_id)
-    return {int(i) for i in ids}
+    return {int(i) for i in ids if i is not None and i != tokenizer.unk_token_id}
 
 
 def truncate_output(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """The first max_new_tokens tokens, cut after the first stop token (which is kept)."""
     tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[:i + 1]
-    return tokens
+    return tokens[:next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))]
 
 
 @dataclass
@@ -295,11 +290,8 @@ class Prompts:
 
 def prompt_turns(conversation: Any) -> list[dict[str, Any]] | str:
     """The turns of a conversation before its first assistant turn (the prompt), or why it has none."""
-    prefix = []
-    for m in conversation.messages:
-        if m["role"] == "assistant":
-            break
-        prefix.append(m)
+    answer = next((i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"), None)
+    prefix = conversation.messages[:answer]
     if not any(m["role"] == "user" for m in prefix):
         return "no user turn before the first assistant turn"
     return prefix
