@@ -68,12 +68,9 @@ class PackedBatch:
 def slot_tensor_specs(num_tokens: int, num_docs: int, num_layers: int, hidden_size: int,
                       hidden_dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """The tensors of one batch in slot order: the big hidden planes first (2 MiB-aligned DMA target)."""
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        ("hidden", hidden_dtype, (num_layers, num_tokens, hidden_size))]
-    for name, dtype in TOKEN_TENSORS.items():
-        n = num_docs if name in DOC_TENSORS else num_tokens
-        specs.append((name, dtype, (n,)))
-    return specs
+    return [("hidden", hidden_dtype, (num_layers, num_tokens, hidden_size)),
+            *((name, dtype, (num_docs if name in DOC_TENSORS else num_tokens,))
+              for name, dtype in TOKEN_TENSORS.items())]
 
 
 def check_batch(batch: PackedBatch, num_layers: int | None = None, hidden_size: int | None = None) -> None:
@@ -104,8 +101,7 @@ def check_batch(batch: PackedBatch, num_layers: int | None = None, hidden_size: 
         raise BatchError(f"doc_lens {lens.tolist()[:8]}... must be positive and sum to {t}")
     if bool((batch.loss_mask > 1).any()):
         raise BatchError("loss_mask must be 0/1")
-    expected = document_positions(batch.doc_lens)
-    if not torch.equal(batch.position_ids.to(torch.int64), expected):
+    if not torch.equal(batch.position_ids.to(torch.int64), document_positions(batch.doc_lens)):
         raise BatchError("position_ids do not restart at 0 in every document")
 
 

@@ -176,8 +176,7 @@ def _refuse_live_ipc(endpoint: str, path: str) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise ChannelError(f"endpoint {endpoint}: {path} exists and is not a socket")
-    problem = owner_problem(path, st)
-    if problem:
+    if problem := owner_problem(path, st):
         raise _not_ours(endpoint, problem, path)
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     probe.settimeout(1.0)
@@ -324,8 +323,7 @@ def _secure_ipc_folder(endpoint: str, path: str, trusted: frozenset[int]) -> Non
     if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
         os.chmod(folder, 0o700)  # explicitly: mkdir's mode is filtered by the umask
     # a shared sticky folder (/tmp): the 0600 socket file is what keeps others out
-    problem = folder_problem(folder, trusted)
-    if problem:
+    if problem := folder_problem(folder, trusted):
         raise _not_ours(endpoint, problem, folder)
 
 
@@ -343,8 +341,7 @@ def endpoint_problem(endpoint: str, allowed_uids: Iterable[int] = ()) -> tuple[C
         return None, None
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.lexists(folder):
-        problem = folder_problem(folder, trusted_uids(allowed_uids))
-        if problem:
+        if problem := folder_problem(folder, trusted_uids(allowed_uids)):
             return _not_ours(endpoint, problem, folder), None
     return None, folder
 
@@ -663,8 +660,7 @@ class RouterChannel(_Channel):
                 continue
             if self._repeat(peer, frames[1], now):
                 continue
-            msg = self._decode(frames[1], peer)
-            if msg is not None:
+            if (msg := self._decode(frames[1], peer)) is not None:
                 out.append((peer, msg))
         self.give_back_memory()
         return out
@@ -740,8 +736,7 @@ class DealerChannel(_Channel):
             left = deadline - time.monotonic()
             if not self.socket.poll(max(0, int(left * 1000 + 0.999)), zmq.POLLIN):
                 return None
-            msg = self._recv_one()
-            if msg is not None:
+            if (msg := self._recv_one()) is not None:
                 return msg
             if time.monotonic() >= deadline:
                 return None
@@ -750,8 +745,7 @@ class DealerChannel(_Channel):
         """Wait up to timeout_s, then take every pending valid message (up to MAX_DRAIN)."""
         out: list[Message] = []
         for frames in self._drain(timeout_s):
-            msg = self._check_frames(frames)
-            if msg is not None:
+            if (msg := self._check_frames(frames)) is not None:
                 out.append(msg)
         self.give_back_memory()
         return out

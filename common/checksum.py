@@ -105,7 +105,6 @@ def check_payload(expected: object, names: Iterable[str], sums: torch.Tensor) ->
             for n in names):
         raise ValueError(f"slot meta has no payload checksum for {names} (got {str(expected)[:120]})")
     got = as_meta(names, sums)
-    bad = [n for n in names if got[n] != expected[n]]
-    if bad:
+    if bad := [n for n in names if got[n] != expected[n]]:
         raise ChecksumMismatch("payload checksum mismatch in " + ", ".join(
             f"{n} (expected {expected[n]}, read {got[n]})" for n in bad))

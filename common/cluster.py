@@ -40,8 +40,7 @@ def plan_shard(epoch_sizes: Sequence[int], num_hosts: int, host_rank: int) -> Se
     """Every seq host `host_rank` serves over the epochs of `epoch_sizes` (one run per epoch)."""
     shard = SeqSet()
     for r in epoch_ranges(epoch_sizes):
-        s = host_shard(r, num_hosts, host_rank)
-        if s:
+        if s := host_shard(r, num_hosts, host_rank):
             shard.add_range(s.start, s.stop)
     return shard
 
@@ -50,15 +49,10 @@ def restrict(have: SeqSet, epoch_sizes: Sequence[int], num_hosts: int, host_rank
     """The part of a trained set `have` that lies in host `host_rank`'s shard of the plan."""
     if num_hosts == 1:
         return have.copy()
-    out = SeqSet()
-    for a, b in plan_shard(epoch_sizes, num_hosts, host_rank).ranges():
-        cursor = a   # [a, b) less the runs `have` lacks there
+    out = plan_shard(epoch_sizes, num_hosts, host_rank)
+    for a, b in list(out.ranges()):   # each run of the shard less the runs `have` lacks there
         for lo, hi in have.difference_ranges(a, b):
-            if lo > cursor:
-                out.add_range(cursor, lo)
-            cursor = hi
-        if cursor < b:
-            out.add_range(cursor, b)
+            out.remove_range(lo, hi)
     return out
 
 

@@ -6,7 +6,7 @@ class ProtocolError(ValueError):
     """A frame or message that breaks the protocol.
 
     `code` is a short stable category for counters ("too_large", "not_msgpack", "not_a_map",
-    "version", "type", "keys", "field", "context", "framing"); the message says what exactly.
+    "version", "type", "keys", "field", "framing"); the message says what exactly.
     """
 
     def __init__(self, code: str, message: str) -> None:

@@ -51,9 +51,7 @@ def as_supervised(status: int, who: str, environ: Mapping[str, str] | None = Non
     """The status `who` ends with: `status`, or 0 for a final one when FINAL_AS_SUCCESS=1 (compose),
     with one line on stderr saying which status it was and why."""
     environ = os.environ if environ is None else environ
-    if status not in FINAL_EXITS:
-        return status
-    if environ.get(FINAL_AS_SUCCESS) == "1":
+    if status in FINAL_EXITS and environ.get(FINAL_AS_SUCCESS) == "1":
         print(f"{who}: exit status {status} ({WHY[status]}; restarting would not help: its log says why); ending "
               f"with 0 so that the container is not restarted ({FINAL_AS_SUCCESS})", file=sys.stderr)
         return EXIT_OK

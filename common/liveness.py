@@ -188,8 +188,7 @@ class RoleLock:
             if problem is None:
                 raise
             raise Untrusted(f"{self.role} lock file {problem}") from None
-        problem = owner_problem(self.path, os.fstat(fd))
-        if problem is not None:
+        if (problem := owner_problem(self.path, os.fstat(fd))) is not None:
             os.close(fd)
             raise Untrusted(f"{self.role} lock file {problem}")
         return fd

@@ -136,9 +136,7 @@ class ProgressLines:
 def flatten(prefix: str, value: Any, out: dict[str, float] | None = None) -> dict[str, float]:
     """Numeric leaves of a nested status dict as `prefix_a_b` -> float (bools as 0/1)."""
     out = {} if out is None else out
-    if isinstance(value, bool):
-        out[prefix] = float(value)
-    elif isinstance(value, (int, float)):
+    if isinstance(value, (int, float)):   # bool is an int
         out[prefix] = float(value)
     elif isinstance(value, dict):
         for k, v in value.items():

@@ -79,9 +79,8 @@ def model_folder_problem(path: str) -> str:
 
 def weights_problem(path: str) -> str:
     """What keeps the model folder `path` (with a config.json) from holding its weights ("" when it does)."""
-    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        return ""
-    if any(name.endswith(".safetensors") for name in os.listdir(path)):
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or any(
+            name.endswith(".safetensors") for name in os.listdir(path)):
         return ""
     return f"{path} has no *.safetensors weights (nor model.safetensors.index.json)"
 
@@ -130,10 +129,8 @@ def check_capture_layers(cfg: Config, problems: Problems) -> None:
 def check_target_folders(cfg: Config, problems: Problems, reader: str) -> None:
     """target.model (a local folder: config.json and weights) and target.tokenizer (when set: a
     tokenizer folder). `reader` says what the service reads there, for the message."""
-    model = local_model(cfg)
-    if model:
-        problem = model_folder_problem(model) or weights_problem(model)
-        if problem:
+    if model := local_model(cfg):
+        if problem := model_folder_problem(model) or weights_problem(model):
             problems.add(f"target.model: {problem} ({reader}); set target.model to the target's model folder "
                          f"(or builtin:tiny-qwen3.5 / builtin:tiny-qwen3)")
     if cfg.target.tokenizer:

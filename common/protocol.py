@@ -37,10 +37,6 @@ rank 0 sets `hello.heldout`, the WELCOME says how many exist, and each one arriv
 with `heldout` set, whose `seq` is the held-out index in [0, heldout_batches) (epoch 0), not a batch
 seq; the rank acks it like any other slot.
 
-Checks that need the receiver's state (is this worker known, is this slot inside that worker's
-ring, does this seq belong to that epoch) are the functions at the end of this module; the
-receiver calls them with its context and treats a ProtocolError exactly like a decode failure.
-
 The data plan: `have` means something only under the plan it was trained from (which documents
 batch seq s holds). The server sends its plan in WELCOME (components named by the setting they
 come from, plus `id`, the fingerprint of them all: `plan_id`); the trainer stores it in every
@@ -593,10 +589,6 @@ class Welcome(Message):
         if len(set(workers)) != len(workers):
             raise _field_error("welcome.rings", "worker ids repeat", workers)
 
-    def slot_counts(self) -> dict[int, int]:
-        """worker -> slot_count: the context `check_ring_ref` needs."""
-        return {r.worker: r.slot_count for r in self.rings}
-
 
 @message("announce")
 class Announce(Message):
@@ -785,47 +777,4 @@ def next_rid() -> int:
 _reset_rids()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_rids)
-
-
-# ---- receiver-context checks ----------------------------------------------------------------------
-
-def validate_slot_index(msg: Announce | Ack, slot_count: int) -> None:
-    """ProtocolError unless msg.slot indexes a ring of `slot_count` slots."""
-    if not 0 <= msg.slot < slot_count:
-        raise ProtocolError("context", f"{msg.TYPE}: slot {msg.slot} outside ring of worker {msg.worker} "
-                                       f"({slot_count} slots)")
-
-
-def check_ring_ref(msg: Announce | Ack, slot_counts: Mapping[int, int]) -> None:
-    """ProtocolError unless msg.worker is a known ring and msg.slot lies inside it.
-
-    `slot_counts`: worker -> slot count (server: its own rings; rank: `Welcome.slot_counts()`)."""
-    slot_count = slot_counts.get(msg.worker)
-    if slot_count is None:
-        raise ProtocolError("context", f"{msg.TYPE}: unknown worker {msg.worker} "
-                                       f"(known: {sorted(slot_counts)[:16]})")
-    validate_slot_index(msg, slot_count)
-
-
-def epoch_range(epoch_sizes: list[int], epoch: int) -> tuple[int, int]:
-    """[start, stop) of the batch seqs of `epoch`: epochs own consecutive runs of seqs."""
-    if not 0 <= epoch < len(epoch_sizes):
-        raise ProtocolError("context", f"epoch {epoch} outside the {len(epoch_sizes)} epochs of this run")
-    start = sum(epoch_sizes[:epoch])
-    return start, start + epoch_sizes[epoch]
-
-
-def check_announce(msg: Announce, welcome: Welcome) -> None:
-    """Everything a rank can check about an ANNOUNCE against its WELCOME (the consumer-epoch
-    comparison is not here: an old epoch is stale, not malformed, and is counted separately)."""
-    check_ring_ref(msg, welcome.slot_counts())
-    if msg.heldout:
-        if msg.seq >= welcome.heldout_batches:
-            raise ProtocolError("context", f"announce: held-out batch {msg.seq} outside the "
-                                           f"{welcome.heldout_batches} held-out batches of this session")
-        return
-    start, stop = epoch_range(welcome.epoch_sizes, msg.epoch)
-    if not start <= msg.seq < stop:
-        raise ProtocolError("context", f"announce: seq {msg.seq} is not in epoch {msg.epoch} "
-                                       f"(seqs [{start}, {stop}))")
 

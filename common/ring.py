@@ -329,8 +329,7 @@ def _pid_namespace() -> int:
 
 
 def _require_tso() -> None:
-    problem = ordering_problem()
-    if problem:
+    if problem := ordering_problem():
         raise RingError(problem)
 
 
@@ -495,8 +494,7 @@ class ProducerRing(_RingMap):
         to load) takes it first and hands it to `create`, so a second one is refused at once."""
         if not os.path.isdir(shm_dir):
             raise RingError(f"shared-memory directory {shm_dir} does not exist (is /dev/shm mounted?)")
-        problem = folder_problem(shm_dir, trusted_uids())
-        if problem:
+        if problem := folder_problem(shm_dir, trusted_uids()):
             raise Untrusted(f"the shared-memory folder: {problem}")
         lock = RoleLock(shm_dir, f"{name}.w{worker}", "producer")
         lock.acquire()   # Untrusted when another user made the lock file first

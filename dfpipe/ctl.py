@@ -1,6 +1,7 @@
 """`dfpipe ctl` and `dfpipe top`: talk to running services over their control endpoints."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -15,10 +16,6 @@ from common.channel import CurveKeys, RequestTimeout, request
 from common.config import Config
 from common.metrics import human_duration
 from common.protocol import Control, Reply, next_rid
-
-
-class ControlError(RuntimeError):
-    pass
 
 
 def control(endpoint: str, service: str, command: str, timeout_s: float = 5.0,
@@ -53,8 +50,7 @@ def render(obj: Any, indent: int = 0) -> str:
         for k, v in obj.items():
             if isinstance(v, (dict, list)) and v and not all(isinstance(x, (int, float, str)) for x in
                                                              (v.values() if isinstance(v, dict) else v)):
-                lines.append(f"{pad}{k}:")
-                lines.append(render(v, indent + 1))
+                lines += [f"{pad}{k}:", render(v, indent + 1)]
             else:
                 lines.append(f"{pad}{k}: {v}")
         return "\n".join(lines)
@@ -227,8 +223,7 @@ def trainer_panel(status: dict[str, Any] | None, endpoint: str) -> Panel:
         _line(("last checkpoint", os.path.basename(str(checkpoint).rstrip("/")) if checkpoint else "none"),
               ("failed saves", _num(failures)), ("skipped steps", _num(status.get("skipped_steps")))),
     ]
-    hosts = host_progress(status.get("cluster"))
-    if hosts:   # a multi-host run: each host's shard, so a host that lags shows
+    if hosts := host_progress(status.get("cluster")):   # a multi-host run: each host's shard, so a host that lags shows
         rows.append(_line(("batches per host", hosts)))
     return Panel(Group(*rows), title=_title("trainer", status.get("state", "?")), title_align="left")
 
@@ -263,19 +258,16 @@ def top(cfg: Config, interval: float = 1.0, iterations: int = 0, once: bool = Fa
     if once:
         console.print(view.frame(*view.poll()))
         return 0
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else contextlib.nullcontext()
     n = 0
     try:
-        if not console.is_terminal:
+        with live:
             while True:
                 target, trainer = view.poll()
-                print(f"{time.strftime('%H:%M:%S')} {summary_line(target, trainer)}", flush=True)
-                n += 1
-                if iterations and n >= iterations:
-                    return 0
-                time.sleep(interval)
-        with Live(console=console, auto_refresh=False) as live:
-            while True:
-                live.update(view.frame(*view.poll()), refresh=True)
+                if console.is_terminal:
+                    live.update(view.frame(target, trainer), refresh=True)
+                else:
+                    print(f"{time.strftime('%H:%M:%S')} {summary_line(target, trainer)}", flush=True)
                 n += 1
                 if iterations and n >= iterations:
                     return 0

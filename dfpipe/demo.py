@@ -94,14 +94,10 @@ def plot_metrics(rows: list[dict[str, Any]], png_path: str) -> bool:
         ax2.plot([r["step"] for r in evals], [r["eval_tau"] for r in evals], "o-", color="tab:orange",
                  label="held-out")
     for ax, ylabel, title in ((ax1, "DFlash loss", "loss"), (ax2, "tokens per block", "implied acceptance length")):
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.legend(fontsize=8)
     ax3.plot(steps, [r["tokens_per_s"] for r in train], color="tab:green")
-    ax3.set_xlabel("step")
-    ax3.set_ylabel("tokens / s")
-    ax3.set_title(f"trainer throughput (last {RATE_WINDOW_S:.0f} s)")
+    ax3.set(xlabel="step", ylabel="tokens / s", title=f"trainer throughput (last {RATE_WINDOW_S:.0f} s)")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
@@ -307,8 +303,7 @@ def _run(cfg: Config, config: str, overrides: list[str], out_dir: str, rerun: st
     if last is not None:
         print(f"implied acceptance   {_fmt(last.get('tau'), '.3f')} tokens per block "
               f"(random-weight target: a pipeline check, not a quality figure)")
-    ev = ts.get("eval")
-    if ev:
+    if ev := ts.get("eval"):
         print(f"held-out eval        step {ev['step']}: tau {ev['tau']:.3f}, loss {ev['loss']:.4f} "
               f"on {ev['batches']} held-out batches")
     if final_target:

@@ -91,11 +91,9 @@ class TargetModel:
              dtype: torch.dtype | None = None) -> "TargetModel":
         """from_pretrained onto device; dtype default: fp32 on CPU, the checkpoint's own on CUDA.
 
-        A block-wise FP8 target runs as the target server runs it (target_server.fp8): FP8 matmuls
-        where the device has them, its weights dequantized elsewhere. transformers' own FP8 support
-        is not used: its matmul is a kernel fetched from the hub at the first forward, and its
-        dequantization assumes whole 128 x 128 blocks (it reads the block size off the scale grid).
-        The model is loaded unquantized and its FP8 weights converted here (`load_fp8_weights`)."""
+        A block-wise FP8 target runs as the target server runs it (target_server.fp8, which says why
+        not with transformers' own FP8 support): loaded unquantized, its FP8 weights converted here
+        (`load_fp8_weights`): FP8 matmuls where the device has them, dequantized weights elsewhere."""
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -177,18 +175,13 @@ def load_fp8_weights(model: torch.nn.Module, path: str, fmt: fp8.BlockFp8, fp8_m
 def stop_token_ids(tokenizer: Any) -> set[int]:
     """Tokens that end an answer: the chat turn end `<|im_end|>` and eos (whichever exist)."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)}
-    ids.discard(None)
-    ids.discard(tokenizer.unk_token_id)
-    return {int(i) for i in ids}
+    return {int(i) for i in ids if i is not None and i != tokenizer.unk_token_id}
 
 
 def truncate_output(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """The first max_new_tokens tokens, cut after the first stop token (which is kept)."""
     tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[:i + 1]
-    return tokens
+    return tokens[:next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))]
 
 
 @dataclass
@@ -297,11 +290,8 @@ class Prompts:
 
 def prompt_turns(conversation: Any) -> list[dict[str, Any]] | str:
     """The turns of a conversation before its first assistant turn (the prompt), or why it has none."""
-    prefix = []
-    for m in conversation.messages:
-        if m["role"] == "assistant":
-            break
-        prefix.append(m)
+    answer = next((i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"), None)
+    prefix = conversation.messages[:answer]
     if not any(m["role"] == "user" for m in prefix):
         return "no user turn before the first assistant turn"
     return prefix
@@ -459,8 +449,7 @@ def evaluate(target: TargetModel, drafter: Any, prompts: Prompts, max_new_tokens
         reference = references[i]
         accepted += spec.accepted
         generated += len(spec.tokens)
-        pos = first_difference(spec.tokens, reference.tokens)
-        if pos is not None:
+        if (pos := first_difference(spec.tokens, reference.tokens)) is not None:
             mismatch = Mismatch(
                 prompt=i, line=prompts.source_lines[i], position=pos,
                 speculative=spec.tokens[pos] if pos < len(spec.tokens) else None,

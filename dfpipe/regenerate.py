@@ -142,8 +142,7 @@ def base_url(endpoint: str) -> str:
 def request_body(s: Settings, messages: list[dict[str, Any]], tools: Any = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": s.model, "messages": messages}
     for key in ("temperature", "top_p", "max_tokens", "seed"):
-        value = getattr(s, key)
-        if value is not None:  # unset: the server's default (vLLM takes it from generation_config.json)
+        if (value := getattr(s, key)) is not None:  # unset: the server's default (vLLM: generation_config.json)
             body[key] = value
     if s.chat_template_kwargs:
         # vLLM, SGLang and `transformers serve` all read this request field and pass it to the template.
@@ -212,8 +211,7 @@ def regenerated_turn(message: dict[str, Any]) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
     # SGLang and `transformers serve` say `reasoning_content`; vLLM >= 0.11 says `reasoning`.
     # Stored as `reasoning_content`, the name Qwen3-style chat templates read.
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if reasoning:
+    if reasoning := message.get("reasoning_content") or message.get("reasoning"):
         turn["reasoning_content"] = reasoning
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
@@ -263,8 +261,7 @@ def done_indices(path: str) -> set[int]:
                 raise RegenerateError(f"{path}:{n} is not a row this command wrote; move the file away "
                                       f"or pick another --out") from None
             good_end += len(line)
-    size = os.path.getsize(path)
-    if size > good_end:
+    if (size := os.path.getsize(path)) > good_end:
         print(f"dfpipe regenerate: {path}: dropping a partial last line ({size - good_end} bytes) "
               f"left by an interrupted run", file=sys.stderr)
         os.truncate(path, good_end)
@@ -293,11 +290,7 @@ def check_meta(out: str, meta: dict[str, Any]) -> None:
 def input_rows(path: str) -> Iterator[tuple[int, str]]:
     """(index, line) per non-blank line; the index is the row number among non-blank lines."""
     with open(path, encoding="utf-8") as f:
-        index = 0
-        for line in f:
-            if line.strip():
-                yield index, line
-                index += 1
+        yield from enumerate(line for line in f if line.strip())
 
 
 class AppendLog:

@@ -393,11 +393,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- a quick drafter for the toy target, trained in-process ----------------------------------
-# The real path is the two services (target_server -> ring -> drafter_trainer). This one runs the
-# same pieces in one process without the ring: the target server's capture (`TargetRunner`), the
-# trainer's anchors, blocks and DFlash loss. bench/toy_tau.py uses it for the tau-vs-steps curve;
-# a CI test can use it to prove that training raises tau.
+# ---- a drafter for the toy target (bench/toy_tau.py, the CI's acceptance-length test) ---------
 
 
 @torch.no_grad()

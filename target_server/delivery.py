@@ -387,8 +387,7 @@ class DeliveryCore:
             return self._refuse(peer, msg.rid, "not_member",
                                 f"hello refused: not a member of trainer session {s.job} (wrong session secret)")
         if s is not None and s.job != msg.job:
-            alive = [p for p in s.peers.values() if self._alive(p, now)]
-            if alive:
+            if alive := [p for p in s.peers.values() if self._alive(p, now)]:
                 return self._refuse(peer, msg.rid, "busy",
                                     f"another trainer session ({s.job}, pid {alive[0].pid}) is active")
         self._plan_epochs(msg.epochs)

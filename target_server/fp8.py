@@ -90,8 +90,7 @@ def read_format(config: dict[str, Any]) -> BlockFp8 | None:
         return None
     if not isinstance(q, dict):
         raise Fp8FormatError(f"quantization_config is {type(q).__name__}, not an object")
-    method = q.get("quant_method")
-    if method != "fp8":
+    if (method := q.get("quant_method")) != "fp8":
         raise Fp8FormatError(f"quantization_config.quant_method {method!r}: only block-wise 'fp8' checkpoints are "
                              "supported; use the bf16 checkpoint of this model")
     block = q.get("weight_block_size")
@@ -101,15 +100,12 @@ def read_format(config: dict[str, Any]) -> BlockFp8 | None:
                        for b in block)):
         raise Fp8FormatError(f"quantization_config.weight_block_size {block!r}: expected two powers of two from 16, "
                              "such as [128, 128] (per-tensor FP8 is not supported)")
-    scheme = q.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
+    if (scheme := q.get("activation_scheme", "dynamic")) != "dynamic":
         raise Fp8FormatError(f"quantization_config.activation_scheme {scheme!r}: only 'dynamic' (activations "
                              "quantized at run time, per token) is supported")
-    fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if (fmt := q.get("fmt", "e4m3")) != "e4m3":
         raise Fp8FormatError(f"quantization_config.fmt {fmt!r}: only e4m3 weights are supported")
-    scale_fmt = q.get("scale_fmt", "float")
-    if scale_fmt not in (None, "float"):
+    if (scale_fmt := q.get("scale_fmt", "float")) not in (None, "float"):
         raise Fp8FormatError(f"quantization_config.scale_fmt {scale_fmt!r}: only float scales are supported")
     return BlockFp8(block=(int(block[0]), int(block[1])))
 

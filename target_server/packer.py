@@ -157,8 +157,7 @@ class Packer:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         epoch = int(epoch)
         with self._lock:
-            hit = self._packed.get(epoch)
-            if hit is not None:
+            if (hit := self._packed.get(epoch)) is not None:
                 self._packed.move_to_end(epoch)
                 return hit
         packed = self._pack(epoch)  # outside the lock: a pure function, a racing duplicate is harmless

@@ -18,9 +18,6 @@ shell around it. It turns messages and timers into core events, gives the core s
 ring headers (`snapshot`), and carries out what the core returns (send, free a slot, set the
 consumer epoch, replan the work queue, scan again: `run_actions`).
 
-ZeroMQ is only the doorbell: slot headers are re-scanned on a timer, so a lost message costs
-latency, never a batch.
-
 Nothing a peer sends holds the loop: what it may send is bounded in bytes before decoding (the
 channel), a HELLO asking for epochs whose sizes are not known yet is answered "packing" while
 `EpochPlanner` packs them behind (each epoch once per server lifetime), and it says HELLO again.
@@ -296,8 +293,7 @@ class TargetServer:
         self.channel.send(peer, msg)
 
     def free(self, worker: int, slot: int, pub_seq: int) -> None:
-        ring = self._ring(worker)
-        if ring is not None:
+        if (ring := self._ring(worker)) is not None:
             ring.discard(slot, pub_seq)
 
     def set_consumer_epoch(self, epoch: int) -> None:
@@ -473,16 +469,12 @@ class TargetServer:
 
     @staticmethod
     def _wait_for(worker: TargetWorker) -> None:
-        """Until the worker's thread has ended, however long the step in hand takes (it stops at its
-        next check of the halt flag: after the forward it is in).
-
-        A forward cannot be cut short, and a thread still inside torch when the interpreter exits
-        aborts the process: Python ends a thread that wants the GIL back after finalization began
-        with pthread_exit, whose unwinding through torch's C++ frames calls std::terminate
-        ("terminate called without an active exception", exit status 134). A 32K-token forward on
-        the CPU outlasted the 30 s this wait used to give up after, and the ring was closed under
-        its slot views ("slot tensors still alive"). A device that never returns is what SIGKILL
-        is for (systemd's TimeoutStopSec, compose's stop_grace_period)."""
+        """Until the worker's thread has ended, however long its step takes (it stops at its next
+        check of the halt flag, after the forward it is in). No time limit: a forward cannot be cut
+        short, a thread still inside torch at interpreter exit aborts the process (pthread_exit
+        unwinding through torch's C++ frames: std::terminate, exit status 134), and a 32K-token CPU
+        forward outlasted a 30 s limit, the ring closed under its slot views ("slot tensors still
+        alive"). A device that never returns is SIGKILL's (systemd's TimeoutStopSec, compose's stop_grace_period)."""
         t0 = time.monotonic()
         while True:
             worker.join(timeout=STOP_REPORT_S)

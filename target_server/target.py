@@ -87,8 +87,7 @@ def _load_weights(model: torch.nn.Module, path: str, device: torch.device, dtype
                               if name.startswith(p) and (name[len(p):] in wanted or name[len(p):] in scales)), None)
                 if local is not None and local not in raw:
                     raw[local] = f.get_tensor(name)
-    missing = sorted(wanted - set(raw))
-    if missing:
+    if missing := sorted(wanted - set(raw)):
         raise RuntimeError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the target needs, "
                            f"e.g. {missing[:4]}")
     state: dict[str, torch.Tensor] = {}
@@ -126,8 +125,7 @@ def _check_layers(layers: torch.nn.ModuleList, model_type: str) -> list[bool]:
                 raise NotImplementedError(f"{model_type}: decoder layer {i} has no {attr}; unsupported target")
         gdn = getattr(layer, "linear_attn", None)
         if gdn is not None:
-            absent = [a for a in GDN_ATTRS if not hasattr(gdn, a)]
-            if absent:
+            if absent := [a for a in GDN_ATTRS if not hasattr(gdn, a)]:
                 raise NotImplementedError(f"{model_type}: layer {i} linear attention lacks {absent}; "
                                           f"only Qwen3.5-style Gated DeltaNet is supported")
         elif not hasattr(layer, "self_attn"):
@@ -227,8 +225,7 @@ class TargetRunner:
         # Non-persistent buffers (RoPE inverse frequencies) are not in the checkpoint: rebuild on device.
         with torch.device(dev):
             model.rotary_emb = type(model.rotary_emb)(config=model.config)
-        still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if still_meta:
+        if still_meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
             raise RuntimeError(f"{path}: tensors left uninitialised after loading: {still_meta[:4]}")
         model.eval().requires_grad_(False)
         runner = cls(model, path, config_dict, num_layers, ids, dev, torch_dtype, backend, precision)
@@ -317,8 +314,7 @@ class TargetRunner:
             rope = self.model.rotary_emb(hidden, rope_pos)
             for i in range(self.layer_ids[-1] + 1):
                 hidden = self._decoder_layer(i, hidden, rope, docs, linear_docs)
-                plane = self._plane_of.get(i)
-                if plane is not None:
+                if (plane := self._plane_of.get(i)) is not None:
                     out[plane].copy_(hidden[0], non_blocking=non_blocking)
         return out
 

@@ -116,8 +116,7 @@ def resolve_target(spec: str, cache_dir: str, tokenizer_dir: str | None = None, 
     afterwards; `build_kwargs` (vocab_size, hidden_size, num_layers, seed) override the defaults.
     """
     if not spec.startswith(BUILTIN_PREFIX):
-        problem = model_folder_problem(spec)
-        if problem:
+        if problem := model_folder_problem(spec):
             raise FileNotFoundError(f"target {problem} (a target is a model folder, or builtin:tiny-qwen3.5 / "
                                     f"builtin:tiny-qwen3)")
         return spec
@@ -125,8 +124,7 @@ def resolve_target(spec: str, cache_dir: str, tokenizer_dir: str | None = None, 
     arch = name.removeprefix("tiny-")
     if not name.startswith("tiny-") or arch not in ARCHS:
         raise ValueError(f"unknown builtin target {spec!r}; known: " + ", ".join(f"builtin:tiny-{a}" for a in ARCHS))
-    unknown = set(build_kwargs) - {"vocab_size", "hidden_size", "num_layers", "seed"}
-    if unknown:
+    if unknown := set(build_kwargs) - {"vocab_size", "hidden_size", "num_layers", "seed"}:
         raise TypeError(f"resolve_target: unexpected build argument(s) {sorted(unknown)}")
     recipe = {"recipe": RECIPE_VERSION, "arch": arch, **build_kwargs,
               "tokenizer": _tokenizer_digest(tokenizer_dir)}

@@ -60,11 +60,9 @@ def audit_hidden(hidden: torch.Tensor, doc_lens: np.ndarray, max_rms: float) -> 
     rms = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32) / hidden.shape[-1] ** 0.5  # [k, T]
     if not bool(torch.isfinite(rms).all()):
         return AuditResult(False, "non-finite values in captured hidden states")
-    zero_rows = int((rms == 0).sum())
-    if zero_rows:
+    if zero_rows := int((rms == 0).sum()):
         return AuditResult(False, f"{zero_rows} all-zero captured rows")
-    peak = float(rms.max())
-    if peak > max_rms:
+    if (peak := float(rms.max())) > max_rms:
         return AuditResult(False, f"captured row RMS {peak:.3g} above {max_rms:.3g}")
     return AuditResult(True)
 

@@ -49,15 +49,14 @@ Source rows are numbered two ways, both written down: `sample_id` is the 0-based
 row) index (stable across re-preparation, whatever else changes in the file below it); report
 `line` numbers are 1-based, as an editor or `sed -n 'Lp'` shows them, so `line == sample_id + 1`.
 
-No row is ever dropped without a trace: every row is either kept (perhaps truncated or split,
-both counted) or listed in the report with its line number and the reason (a row larger than
-max_row_bytes, never parsed; nested deeper than MAX_ROW_DEPTH; a number past Python's int-string
-limit; a Parquet row or row group pyarrow cannot read; a word longer than `word_cap`, whose
-tokenization alone would cost gigabytes), and the file goes on; a source without a
-single usable row is an error that first says what is wrong with the file, when its first bytes
-show it (a JSON array, Latin-1 or UTF-16 text, gzip), and the command that fixes it, then the first
-rows' own reasons. A UTF-8 byte-order mark at the start of a file is accepted. `dfpipe eval` reads
-its chat prompts through the same reader and parser (`ChatRows`).
+No row is dropped without a trace: each is kept (perhaps truncated or split, both counted) or
+listed in the report with its line number and reason (larger than max_row_bytes, never parsed;
+nested deeper than MAX_ROW_DEPTH; a number past Python's int-string limit; a Parquet row or row
+group pyarrow cannot read; a word longer than `word_cap`, whose tokenization alone would cost
+gigabytes), and the file goes on. A source without one usable row is an error that first says what
+is wrong with the file when its first bytes show it (a JSON array, Latin-1 or UTF-16 text, gzip)
+and the command that fixes it, then the first rows' own reasons. A UTF-8 byte-order mark at the
+start of a file is accepted. `dfpipe eval` reads its prompts with the same `ChatRows`.
 """
 # The names other modules and the tests import from target_server.data (each module says its idea).
 from target_server.data.chats import (_CHARS_PER_TOKEN, ChatRows, Conversation, _encode_views, _Renderer,

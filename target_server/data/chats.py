@@ -28,11 +28,8 @@ def _strings(value: Any) -> Iterator[str]:
     """Every string inside a JSON value (tool calls, tool schemas)."""
     if isinstance(value, str):
         yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
+    elif isinstance(value, (dict, list)):
+        for v in value.values() if isinstance(value, dict) else value:
             yield from _strings(v)
 
 
@@ -60,8 +57,7 @@ def _openai_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
     if m.get("tool_calls") is not None:
         if role != "assistant":
             return None, f"invalid tool_calls: message {i} is a {role} message"
-        reason = _tool_calls(m["tool_calls"], i)
-        if reason:
+        if reason := _tool_calls(m["tool_calls"], i):
             return None, reason
         out["tool_calls"] = m["tool_calls"]
         content = "" if content is None else content  # OpenAI: content is null beside tool calls
@@ -71,8 +67,7 @@ def _openai_message(m: Any, i: int) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(content, str):
         return None, f"invalid content: message {i} content is {type(content).__name__}, not a string"
     out["content"] = content
-    reasoning = next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)
-    if reasoning is not None:
+    if (reasoning := next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)) is not None:
         if not isinstance(reasoning, str):
             return None, f"invalid reasoning_content: message {i} reasoning is {type(reasoning).__name__}"
         out["reasoning_content"] = reasoning
@@ -142,12 +137,10 @@ def parse_row(row: Any, fmt: str, control_tokens: re.Pattern[str] | None,
     if control_tokens is not None:
         for i, message in enumerate(messages):
             for text in _strings({k: v for k, v in message.items() if k != "role"}):
-                hit = control_tokens.search(text)
-                if hit:
+                if hit := control_tokens.search(text):
                     # The template would tokenize it as the real control token and corrupt turn boundaries.
                     return None, f"control token in content: message {i} contains {hit.group(0)!r}"
-        hit = next((h for h in map(control_tokens.search, _strings(tools)) if h), None)
-        if hit:
+        if hit := next((h for h in map(control_tokens.search, _strings(tools)) if h), None):
             return None, f"control token in content: tools contain {hit.group(0)!r}"
     if need_answer and not any(m["role"] == "assistant" for m in messages):
         return None, "no assistant turn"
@@ -207,8 +200,7 @@ def _check_template_kwargs(kwargs: Any, tokenizer: Any) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise DataError(f"chat_template_kwargs must hold JSON values: {e}") from e
     own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
-    clash = sorted(set(kwargs) & (own - {"kwargs"}))
-    if clash:
+    if clash := sorted(set(kwargs) & (own - {"kwargs"})):
         raise DataError(f"chat_template_kwargs: {', '.join(clash)} set by prepare-data itself, not a template variable")
     return dict(kwargs)
 

@@ -84,13 +84,8 @@ def _documents(views: list[_Encoded], max_len: int, overlong: str, report: Prepa
     docs: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = 0
     for v in views:
-        ids, mask = v.ids, v.mask
-        if len(ids) <= max_len:
-            pieces = [(ids, mask)]
-        elif overlong == "truncate":
-            pieces = [(ids[:max_len], mask[:max_len])]
-        else:
-            pieces = [(ids[s:s + max_len], mask[s:s + max_len]) for s in range(0, len(ids), max_len)]
+        starts = range(0, len(v.ids), max_len) if overlong == "split" and len(v.ids) > max_len else (0,)
+        pieces = [(v.ids[s:s + max_len], v.mask[s:s + max_len]) for s in starts]
         useful = [p for p in pieces if p[1].any()]
         dropped += len(pieces) - len(useful)
         docs += useful
@@ -226,16 +221,15 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
                  chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                  row_format: str = "auto", max_row_bytes: int = DataConfig.max_row_bytes,
                  max_bad_share: float = DataConfig.max_bad_share) -> PrepareReport:
-    """Tokenize a chat JSONL or Parquet file into a prepared folder (input formats and layout in the
-    package docstring).
+    """Tokenize a chat JSONL or Parquet file into a prepared folder (formats, layout: package docstring).
 
-    chat_template: a Jinja template, or a path to one, used instead of the tokenizer's own;
+    chat_template: a Jinja template, or a path to one, instead of the tokenizer's own;
     chat_template_kwargs: variables it reads (e.g. {"enable_thinking": False}); row_format: auto
-    (detected from the first row holding 'messages' or 'conversations') | openai | sharegpt;
-    max_row_bytes: a larger row (JSONL line, Parquet row) is a bad row, never parsed.
-    Bad rows are counted and listed, fatal only above max_bad_share of the rows (TooManyBadRows,
-    nothing written); a missing input, an unusable tokenizer or
-    template, bad arguments or a source without one usable row raise DataError.
+    (the first row holding 'messages' or 'conversations' decides) | openai | sharegpt;
+    max_row_bytes: a larger row (JSONL line, Parquet row) is a bad row, never parsed. Bad rows are
+    counted and listed, fatal only above max_bad_share of the rows (TooManyBadRows, nothing
+    written); a missing input, an unusable tokenizer or template, bad arguments or a source without
+    one usable row raise DataError.
     """
     _check_arguments(source_path, max_len, overlong, row_format, max_row_bytes, max_bad_share)
     out_dir = os.path.normpath(out_dir)
@@ -286,8 +280,7 @@ def prepare_data(source_path: str, tokenizer_dir: str, out_dir: str, max_len: in
 
 def _tokenizer_for(cfg: Config, source: str = "train_path") -> str:
     """The tokenizer a chat file is prepared with: target.tokenizer, else the (local) target model folder."""
-    found = tokenizer_folder(cfg)
-    if found:
+    if found := tokenizer_folder(cfg):
         return found
     raise DataError(f"data.{source} is a chat file but no tokenizer is known: set target.tokenizer "
                     f"(target.model {cfg.target.model!r} has no tokenizer folder)")
@@ -302,9 +295,8 @@ def template_setting(cfg: Config) -> str:
 def ensure_prepared(cfg: Config, source: str = "train_path") -> PreparedDataset:
     """The data set named by `data.<source>` (train_path, or heldout_path for the held-out batches): a
     prepared folder as it is, or a chat .jsonl / .parquet prepared once into
-    <target.cache_dir>/data/<name>-<key>/, key = digest of (file bytes, tokenizer files, max_len,
-    overlong, max_row_bytes, row format, chat template text and kwargs, format version); a later start with the
-    same inputs reuses it, a changed template or kwarg prepares again."""
+    <target.cache_dir>/data/<name>-<key>/, key = digest of every input that can change what it holds
+    (`inputs`): a later start with the same inputs reuses it, a changed template or kwarg prepares again."""
     path = cfg.resolve(getattr(cfg.data, source))
     if not path:
         raise DataError(f"data.{source} is empty: name a prepared folder or a chat .jsonl / .parquet file")

@@ -92,9 +92,7 @@ class PrepareReport:
                f"{self.first_reasons(1)}"
 
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["bad"] = [list(b) for b in self.bad]
-        return d
+        return {**self.__dict__, "bad": [list(b) for b in self.bad]}
 
 
 UTF8_BOM = b"\xef\xbb\xbf"   # what Windows editors write at the start of a "UTF-8" file
@@ -159,14 +157,13 @@ def _too_deep() -> str:
 
 
 def _parse_json(text: str) -> tuple[Any, str]:
-    """(value, "") for JSON text, else (None, reason): not JSON, nested deeper than MAX_ROW_DEPTH (the
-    C parser raises RecursionError near 1000 levels; shallower ones are measured), or a number
-    with more digits than Python converts (sys.get_int_max_str_digits: ValueError)."""
+    """(value, "") for JSON text, else (None, reason): not JSON, nested deeper than MAX_ROW_DEPTH, or a
+    number with more digits than Python converts."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"not JSON: {e.msg} at column {e.colno}"
-    except RecursionError:
+    except RecursionError:   # the C parser's, near 1000 levels; shallower depths are measured below
         return None, _too_deep()
     except ValueError:  # json.loads' one other ValueError: int() of a number past Python's int-string limit
         return None, f"number with more than {sys.get_int_max_str_digits()} digits"
