@@ -1,7 +1,11 @@
 """Part `copycheck`: --copy-batches batches through the real TargetWorker CUDA path (staging buffer ->
 copy stream -> registered slot -> event -> publish), every slot compared byte for byte with a plain
-forward + synchronous `.cpu()` of the same batch; and FLA packed == per-document (transformers'
-forward) on the 27B shape. Result: pass / FAIL."""
+forward + synchronous `.cpu()` of the same batch, computed first; and FLA packed == per-document
+(transformers' forward) on the 27B shape. Result: pass / FAIL.
+
+Should the forward itself not be bitwise reproducible (the worker runs it in another thread, with
+its own cuBLAS handle), a differing batch is still told apart from a copy fault: a stale, torn or
+zero row differs by O(1) of its norm, rounding by far less."""
 from __future__ import annotations
 
 import json
@@ -20,14 +24,6 @@ STALE_ROW_REL_ERR = 0.25   # a row off by this much of its norm is another batch
 
 
 def part_copycheck(ctx: Ctx) -> str:
-    """Async copy (the worker's CUDA path) == sync copy, bit for bit, over >= --copy-batches batches.
-
-    The reference of every batch is computed first: a plain forward, then a plain synchronous
-    `.cpu()`. Then the real TargetWorker serves the same seqs and each published slot is compared
-    byte for byte. Should the forward itself not be bitwise reproducible (the worker runs it in
-    another thread, with its own cuBLAS handle), a differing batch is still told apart from a
-    copy fault: a stale, torn or zero row differs by O(1) of its norm, rounding by far less.
-    """
     from common.batch import TOKEN_TENSORS
     from target_server.data import PreparedDataset
     from target_server.packer import Packer, build_packed

@@ -1,6 +1,8 @@
 """Part `p1`: P1, the transport (transport.py): payload GB/s of `[k, budget, hidden]` bf16 slots from
 the producer GPU through a registered slot to a consumer process's GPU, against a pinned D2H copy of
-the same bytes, per slot count (--p1-slots) and consumer GPU. Result: ratio."""
+the same bytes, per slot count (--p1-slots) and consumer GPU. Result: the ratio of the production
+layout (the consumer on another GPU where there is one) at its best slot count; same-GPU runs show
+the host side alone."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,6 @@ from bench.gpu.shared import RUNNER, Ctx
 
 
 def part_p1(ctx: Ctx) -> str:
-    """P1 per (slots, consumer GPU): the headline is the production layout (consumer on another GPU
-    when there is one) with the best slot count; the same-GPU runs show the host side alone."""
     from bench.gpu.transport import consumer_device_for, run_transport
 
     a = ctx.args

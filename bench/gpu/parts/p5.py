@@ -1,6 +1,6 @@
 """Part `p5`: P5, the drafter step (fwd + bwd + clip + AdamW) at the brief's size for each attention
-path (--p5-attn) eager, then the fastest compiled; MFU against the measured bf16 matmul peak, a
-kernel profile, and drafter-alone tok/s on the dataset's batches (P6's denominator). Result: ratio."""
+path (--p5-attn) eager, then the fastest compiled (drafter.compile: an A/B in one process); MFU
+against the measured bf16 matmul peak and the fastest variant's kernel profile. Result: ratio."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,6 @@ from bench.gpu.shared import Ctx
 
 
 def part_p5(ctx: Ctx) -> str:
-    """P5 at the brief's size for each attention path, eager; then the fastest path compiled
-    (drafter.compile: an A/B in one process); a kernel profile of the fastest variant, then
-    drafter-alone tok/s on the dataset's own batches (P6's denominator)."""
     from bench.gpu.drafter_rig import DrafterRig
     from bench.trainer_bench import step_flops, synthetic_batch
 
@@ -44,8 +41,7 @@ def part_p5(ctx: Ctx) -> str:
                                "intermediate": dcfg.intermediate_size, "vocab": dcfg.vocab_size,
                                "matmul_peak_tflops": peak,
                                "params_trainable_b": sum(p.numel() for p in rig.params) / 1e9, "variants": {}}
-    best = None
-    try:
+    with ctx.recorded("P5", numbers):
         batch = synthetic_batch(a.p5_tokens, a.p5_docs, len(shape.capture_ids), shape.hidden, dcfg.vocab_size,
                                 a.seed, dev, rig.hidden_dtype)
         blocks = rig.blocks_for(batch, 0)
@@ -112,8 +108,4 @@ def part_p5(ctx: Ctx) -> str:
         ctx.store.benchmark("P5", {"mfu": numbers["mfu"]}, numbers)
         ctx.store.figures("p5", best_attn=chosen["attn"], best_compile="on" if chosen["compile"] else "off")
         del batch, blocks
-    except Exception as e:
-        traceback.print_exc()
-        ctx.store.benchmark_error("P5", f"{type(e).__name__}: {e}", numbers)
-
     return "measured"

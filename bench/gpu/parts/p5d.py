@@ -1,8 +1,10 @@
-"""Part `p5d`: P5d, the drafter step at the published anchor density on the dataset's budget-size
-batches, in chunks of --p5d-chunks blocks (the first the headline); MFU from counted FLOPs, peak
-memory, tok/s, a kernel profile; with --p5d-baseline-attn the same step on another attention path,
-and P5f: the step in --p5d-other-precision (fp8) against the headline's, gradients compared.
-Result: P5d, P5f and the drafter-alone rate P6d and P7 price with."""
+"""Part `p5d`: P5d, the drafter step at the published anchor density: the dataset's budget-size
+batches of lognormal documents, up to --anchors anchors per document, in chunks of --p5d-chunks
+blocks (0 = auto), the attention path and compile mode the trainer uses on CUDA; MFU from counted
+FLOPs, peak memory, tok/s. The first size listed (the trainer's default) is the headline, with a
+kernel profile and the drafter-alone rate P6d and P7 price with; the others are a sweep. With
+--p5d-baseline-attn the same step on another attention path; P5f: the step in --p5d-other-precision
+(fp8) against the headline's, gradients compared. Result: P5d, P5f, the drafter-alone rate."""
 from __future__ import annotations
 
 import argparse
@@ -15,20 +17,13 @@ import numpy as np
 import torch
 
 from bench.gpu import fixtures
-from bench.gpu.shared import Ctx, baseline_differs
+from bench.gpu.shared import Ctx, baseline_differs, step_figures
 
 
 def part_p5d(ctx: Ctx) -> str:
-    """P5d: the drafter step at the published anchor density: the dataset's budget-size batches of
-    lognormal documents, up to --anchors anchors per document, the step's chunks of
-    --p5d-chunks blocks each (the first is the default, 0 = auto), the attention path and compile
-    mode the trainer uses on CUDA; MFU from counted FLOPs, peak memory, tok/s. The first size
-    listed (the trainer's default) is the headline and gives the drafter-alone rate P6d and P7 use,
-    and a kernel profile; the others are a sweep."""
     from dataclasses import replace
 
     from bench.gpu.drafter_rig import DrafterRig
-    from bench.trainer_bench import step_flops
     from drafter_trainer.fp8 import fp8_supported
     from drafter_trainer.loss import auto_blocks_per_chunk
 
@@ -68,19 +63,7 @@ def part_p5d(ctx: Ctx) -> str:
             if ctx.cuda:
                 torch.cuda.empty_cache()
             continue
-        steps = [work[i % len(work)] for i in range(len(times))]
-        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, per) for b, bl in steps]
-        total_s = sum(times)
-        v = {"blocks_per_chunk": per, "step_s": float(np.median(times)), "step_s_all": times,
-             "anchors_s": sum(bl.num_blocks for _, bl in steps) / total_s,
-             "first_steps_s": time.perf_counter() - t0 - total_s,
-             "tok_s": sum(b.num_tokens for b, _ in steps) / total_s,
-             "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
-             "mfu": sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
-             "executed_mfu": sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
-             "gflop_per_token": sum(f["model_total"] for f in flops) / sum(b.num_tokens for b, _ in steps) / 1e9,
-             "flops_share": {k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
-                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")}}
+        v = {"blocks_per_chunk": per, **step_figures(rig, work, times, per, peak, t0)}
         if ctx.cuda:
             v["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         numbers["chunks"][str(per)] = v
@@ -148,13 +131,8 @@ def timed_against(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse
                   headline: dict[str, Any], label: str, **settings: Any) -> dict[str, Any]:
     """The headline's batches stepped as the rig is set now: step times, tok/s, MFU from the same
     counted FLOPs, peak memory, and the headline's speed-up over it (`settings` are recorded)."""
-    from bench.trainer_bench import step_flops
-
-    times = rig.timed(work, len(work), a.p5d_steps)
-    steps = [work[i % len(work)] for i in range(len(times))]
-    model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
-    out = {**settings, "step_s": float(np.median(times)), "step_s_all": times,
-           "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times), "mfu": model_flops / sum(times) / 1e12 / peak}
+    figures = step_figures(rig, work, rig.timed(work, len(work), a.p5d_steps), chunk, peak, time.perf_counter())
+    out = {**settings, **{k: figures[k] for k in ("step_s", "step_s_all", "tok_s", "mfu")}}
     if rig.cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
     out["headline_speedup"] = headline["tok_s"] / out["tok_s"]

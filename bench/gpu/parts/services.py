@@ -39,8 +39,7 @@ def part_services(ctx: Ctx) -> str:
                        block=a.block, drafter_layers=a.drafter_layers, loss_chunk=a.loss_chunk,
                        audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
                        cold_triton=a.cold_triton, step_timeout_s=a.step_timeout,
-                       attn=a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get(
-                           "best_attn") or "auto", blocks_per_chunk=services_chunk(ctx))
+                       attn=ctx.drafter_attn(), blocks_per_chunk=services_chunk(ctx))
     figures: dict[str, Any] = {"blocks_per_chunk": plan.blocks_per_chunk}
     error = None
     try:
@@ -67,9 +66,7 @@ def part_services(ctx: Ctx) -> str:
         ctx.store.benchmark("P4", {"warm_over_cold_first_step": warm["first_step_s"] / cold_full}, numbers)
     else:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
-    parts = ctx.store.read()["parts"]
-    target_alone = parts.get("p23", {}).get("figures", {}).get("target_alone_tok_s")
-    p5d = parts.get("p5d", {}).get("figures", {})
+    target_alone, p5d = ctx.part_figures("p23").get("target_alone_tok_s"), ctx.part_figures("p5d")
     drafter_alone, drafter_anchors_s = p5d.get("drafter_alone_tok_s"), p5d.get("drafter_alone_anchors_s")
     together = figures.get("together_tok_s")
     numbers = {"together_tok_s": together, "target_alone_tok_s": target_alone, "drafter_alone_tok_s": drafter_alone,
