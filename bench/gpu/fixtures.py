@@ -68,9 +68,6 @@ class TargetShape:
             linear_key_head_dim=self.linear_k_dim, linear_value_head_dim=self.linear_v_dim,
             linear_num_key_heads=self.linear_k_heads, linear_num_value_heads=self.linear_v_heads)
 
-    def hidden_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return len(self.capture_ids) * self.hidden * dtype.itemsize
-
 
 def build_target(out_dir: str, shape: TargetShape, device: torch.device, seed: int = 0) -> float:
     """Write a randomly initialised `shape` causal LM (with lm_head) to `out_dir`; seconds taken.
@@ -180,8 +177,7 @@ def batch_tensors(arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Te
 
 def packed_batch(arrays: dict[str, np.ndarray], hidden: torch.Tensor, seq: int, device: torch.device) -> PackedBatch:
     """A trainer-side batch: the dataset's tokens of batch `seq` with the given captured planes."""
-    tokens = {k: torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in
-              TOKEN_TENSORS}
+    tokens = {k: torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in TOKEN_TENSORS}
     return PackedBatch(hidden=hidden, **tokens, seq=seq, epoch=0).to(device)
 
 

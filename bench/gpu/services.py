@@ -24,6 +24,7 @@ that run_all.sh's cleanup reads.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -67,7 +68,7 @@ class ServicePlan:
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
 
-def write_config(plan: ServicePlan) -> str:
+def write_config(plan: ServicePlan) -> tuple[str, Any]:
     m = plan.manifest
     cuda = plan.device.startswith("cuda")
     cfg = {
@@ -90,8 +91,8 @@ def write_config(plan: ServicePlan) -> str:
     path = os.path.join(plan.workdir, "services.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
-    load_config(path)  # the services would refuse it anyway; fail here with the config's own message
-    return path
+    # the services would refuse a bad one anyway; fail here with the config's own message
+    return path, load_config(path)
 
 
 def descendants(pid: int) -> list[int]:
@@ -137,14 +138,10 @@ class Children:
             # torchrun starts every rank in a session of its own: kill the ranks by ancestry
             # (first, so none is re-parented before it is found), then the launcher's session.
             for pid in descendants(proc.pid):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return proc.wait()
 
     def stop(self, name: str, timeout: float = 30.0) -> int | None:
@@ -181,10 +178,8 @@ class Children:
                 self.kill(name)   # never SIGTERM a trainer here: it would write a final checkpoint
         for name in list(self.procs):
             self.stop(name)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.pidfile)
-        except FileNotFoundError:
-            pass
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -217,17 +212,13 @@ def wait_metrics(children: Children, name: str, path: str, enough: Callable[[lis
         time.sleep(0.2)
 
 
-def step_tokens(row: dict[str, Any]) -> float:
-    return float(row["step_tokens"])
-
-
 def together_rate(rows: list[dict[str, Any]], skip: int) -> tuple[float, float, int]:
     """(tokens/s, seconds, steps) over the records after the first `skip`, by their wall-clock stamps."""
     window = rows[skip:]
     if len(window) < 2:
         raise ValueError(f"need at least {skip + 2} metrics records, got {len(rows)}")
     seconds = window[-1]["time"] - window[0]["time"]
-    return sum(step_tokens(r) for r in window[1:]) / seconds, seconds, len(window) - 1
+    return sum(float(r["step_tokens"]) for r in window[1:]) / seconds, seconds, len(window) - 1
 
 
 class ProductionSampler(threading.Thread):
@@ -275,7 +266,7 @@ def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler
             "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
             "together_mean_step_s": sum(r["step_s"] for r in window) / steps,
             # what the window's own batches hold: the ideal is priced per batch (see part_services)
-            "together_tokens": sum(step_tokens(r) for r in window),
+            "together_tokens": sum(float(r["step_tokens"]) for r in window),
             "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
 
 
@@ -329,8 +320,7 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
     plan.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
     from dfpipe.ctl import try_status
 
-    cfg_path = write_config(plan)
-    cfg = load_config(cfg_path)
+    cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO])),
            "NCCL_NVLS_ENABLE": "0"}
@@ -374,8 +364,7 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
     so that the caller keeps what was measured when a later step fails."""
     from dfpipe.ctl import try_status
 
-    cfg_path = write_config(plan)
-    cfg = load_config(cfg_path)
+    cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO]))}
     if not plan.device.startswith("cuda"):
@@ -429,14 +418,12 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         target_status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
         trainer_status = try_status(cfg.service.trainer_endpoint, timeout_s=5.0) or {}
         stages = target_status.get("stages", {})
-        figures["target_stages"] = stages
-        figures["trainer_stages"] = trainer_status.get("stages", {})
-        figures["target_load_s"] = stages.get("load", {}).get("seconds")
-        figures["target_warmup_s"] = stages.get("warmup", {}).get("seconds")
-        figures["target_batches_produced"] = target_status.get("batches", {}).get("produced")
+        figures.update(target_stages=stages, trainer_stages=trainer_status.get("stages", {}),
+                       target_load_s=stages.get("load", {}).get("seconds"),
+                       target_warmup_s=stages.get("warmup", {}).get("seconds"),
+                       target_batches_produced=target_status.get("batches", {}).get("produced"))
 
-        cold_step_s = median_step_s(rows, skip)
-        figures["cold_compiled_median_step_s"] = cold_step_s
+        figures["cold_compiled_median_step_s"] = cold_step_s = median_step_s(rows, skip)
         children.kill("trainer-cold")
         # a trainer restart against the warm target
         name, run = "trainer-warm", "run-warm"
@@ -463,7 +450,6 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         warm["compiled_median_step_s"] = median_step_s(rows, skip)
         warm["compiled_step_over_cold"] = warm["compiled_median_step_s"] / cold_step_s
         warm["eager_steps"] = int(state.get("at_step") or 0)
-        figures["warm"] = warm
         children.kill(name)
         print(f"warm restart: compiled after {warm['compiled_after_s'] or float('nan'):.1f}s; compiled "
               f"steps {warm['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)

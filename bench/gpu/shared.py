@@ -152,13 +152,13 @@ class P2Rig:
         return self.tokens / timer.stop().seconds()
 
     def worker_run(self, **kwargs: Any) -> Any:
-        """One TargetWorker run over the seqs (run_worker's keyword arguments: a patch, a polling consumer)."""
-        from bench.gpu.worker_harness import run_worker, worker_config
+        """One TargetWorker run over the seqs (run_workers' keyword arguments: a patch, a polling consumer)."""
+        from bench.gpu.worker_harness import run_workers, worker_config
 
         a = self.ctx.args
         cfg = worker_config(self.packer.token_budget, self.max_len, self.ctx.ring_name(self.ring), self.ctx.shm_dir,
                             a.ring_slots, self.ctx.cuda_register(), a.audit_every)
-        return run_worker(self.runner, cfg, self.dataset, self.packer, self.seqs, **kwargs)
+        return run_workers([self.runner], cfg, self.dataset, self.packer, self.seqs, **kwargs)
 
     def turns(self, repeats: int) -> dict[str, Any]:
         """`repeats` turns of the bare loop then the worker; the ratio is the mean of the turns' ratios."""

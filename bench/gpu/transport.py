@@ -225,10 +225,8 @@ def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, 
         figures["ring_over_transport_ceiling"] = figures["ring_gbps"] / bound
         return figures
     finally:
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-        except OSError:
-            pass
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -56,14 +56,6 @@ def worker_config(token_budget: int, max_len: int, ring_name: str, shm_dir: str,
     return validate(cfg)
 
 
-def run_worker(runner: Any, cfg: Config, dataset: Any, packer: Any, seqs: list[int],
-               on_slot: Callable[[SlotView], None] | None = None,
-               patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
-               poll_interval_s: float | None = None) -> WorkerRun:
-    """Serve `seqs` through one TargetWorker (see run_workers)."""
-    return run_workers([runner], cfg, dataset, packer, seqs, on_slot, patch, timeout_s, poll_interval_s)
-
-
 def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs: list[int],
                 on_slot: Callable[[SlotView], None] | None = None,
                 patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,

@@ -27,7 +27,7 @@ def part_copycheck(ctx: Ctx) -> str:
     from common.batch import TOKEN_TENSORS
     from target_server.data import PreparedDataset
     from target_server.packer import Packer, build_packed
-    from bench.gpu.worker_harness import run_worker, worker_config
+    from bench.gpu.worker_harness import run_workers, worker_config
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
@@ -71,7 +71,7 @@ def part_copycheck(ctx: Ctx) -> str:
 
     cfg = worker_config(a.copy_budget, manifest["max_len"], ctx.ring_name("copy"), ctx.shm_dir, 3,
                         ctx.cuda_register(), a.audit_every)
-    run = run_worker(runner, cfg, dataset, packer, seqs, on_slot=check)
+    run = run_workers([runner], cfg, dataset, packer, seqs, on_slot=check)
     refs.clear()  # ~16 GB of host memory at full size
     faults = [m for m in mismatches if m["bad_tokens"] or m["max_row_rel_err"] is None
               or m["max_row_rel_err"] > STALE_ROW_REL_ERR]
