@@ -37,10 +37,9 @@ def chunk_layouts(manifest: dict[str, Any], device: torch.device, batches: int, 
     from drafter_trainer.blocks import AttentionLayout
 
     rig = DrafterRig(manifest, device, 1, block, anchors, 0, seed, attn="flex", compile_mode="off")
-    out = []
-    for _batch, blocks in rig.dataset_work(list(range(batches)), lazy_hidden=True):
-        for chunk, _first, _end in blocks.chunks(blocks_per_chunk):
-            out.append(AttentionLayout.from_blocks(chunk, segment_rows))
+    out = [AttentionLayout.from_blocks(chunk, segment_rows)
+           for _batch, blocks in rig.dataset_work(list(range(batches)), lazy_hidden=True)
+           for chunk, _first, _end in blocks.chunks(blocks_per_chunk)]
     config = rig.config
     del rig
     if device.type == "cuda":

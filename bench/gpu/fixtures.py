@@ -217,6 +217,16 @@ class RegionTimer:
         return self._t1 - self._t0
 
 
+def capture_tok_s(runner: Any, batches: list[tuple[torch.Tensor, ...]], device: torch.device, warmup: int = 0) -> float:
+    """Real tokens/s of `runner.capture` over `batches`, the first `warmup` of them untimed."""
+    for b in batches[:warmup]:
+        runner.capture(*b)
+    timer = RegionTimer(device).start()
+    for b in batches[warmup:]:
+        runner.capture(*b)
+    return sum(int(b[0].numel()) for b in batches[warmup:]) / timer.stop().seconds()
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

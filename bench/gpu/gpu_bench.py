@@ -126,16 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    sizes = QUICK if args.quick else FULL
-    for name, value in sizes.items():
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():   # the sizes no flag set
         if getattr(args, name) is None:
             setattr(args, name, value)
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = resolve(build_parser().parse_args(argv))
     if args.part == "p1-consumer":
         from bench.gpu.transport import consumer_main
         consumer_main(args.ring_path, args.consumer_device, args.nbytes, args.cuda_register)

@@ -24,6 +24,7 @@ that run_all.sh's cleanup reads.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -40,6 +41,7 @@ from typing import Any
 import yaml
 
 from common.config import load_config
+from dfpipe.ctl import try_status
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIDFILE = "service-pids.txt"
@@ -49,19 +51,11 @@ PIDFILE = "service-pids.txt"
 class ServicePlan:
     workdir: str
     manifest: dict[str, Any]
+    args: argparse.Namespace     # gpu_bench.py's flags: the drafter's sizes, ring_slots, p6_seconds, step_timeout, ...
     device: str                  # "cuda:0" or "cpu"
     ring_name: str
     shm_dir: str
-    slots: int
-    anchors: int
-    block: int
-    drafter_layers: int
-    loss_chunk: int
-    audit_every: int
-    p6_seconds: float
-    p6_skip_steps: int
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
-    step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
     blocks_per_chunk: int = 0    # drafter.blocks_per_chunk (0: auto); part_services sizes it to the card
     target_devices: list[str] | None = None    # placement; None: [device]
@@ -72,15 +66,15 @@ def write_config(plan: ServicePlan) -> tuple[str, Any]:
     m = plan.manifest
     cuda = plan.device.startswith("cuda")
     cfg = {
-        "ring": {"name": plan.ring_name, "shm_dir": plan.shm_dir, "slots": plan.slots,
+        "ring": {"name": plan.ring_name, "shm_dir": plan.shm_dir, "slots": plan.args.ring_slots,
                  "cuda_register": "require" if cuda else "off"},
         "data": {"train_path": m["data_dir"], "token_budget": m["token_budget"], "max_len": m["max_len"], "seed": 0},
         "target": {"model": m["target_dir"], "cache_dir": os.path.join(plan.workdir, "cache"),
                    "layer_ids": list(m["shape"]["capture_ids"]), "devices": plan.target_devices or [plan.device],
-                   "warmup": True, "audit_every": plan.audit_every},
-        "drafter": {"num_layers": plan.drafter_layers, "block_size": plan.block,
-                    "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.anchors,
-                    "loss_chunk": plan.loss_chunk, "attn": plan.attn, "blocks_per_chunk": plan.blocks_per_chunk},
+                   "warmup": True, "audit_every": plan.args.audit_every},
+        "drafter": {"num_layers": plan.args.drafter_layers, "block_size": plan.args.block,
+                    "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.args.anchors,
+                    "loss_chunk": plan.args.loss_chunk, "attn": plan.attn, "blocks_per_chunk": plan.blocks_per_chunk},
         # no periodic checkpoint (a 27B-wide drafter's state is ~20 GB), one metrics record per step
         "train": {"out_dir": os.path.join(plan.workdir, "run-unused"), "epochs": 3, "checkpoint_every": 10 ** 9,
                   "log_every": 1, "tensorboard": False, "device": plan.device,
@@ -235,8 +229,6 @@ class ProductionSampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        from dfpipe.ctl import try_status
-
         while not self._halt.is_set():
             status = try_status(self.endpoint, timeout_s=2.0)
             if status and "tokens" in status:
@@ -274,8 +266,6 @@ def wait_compiled(children: Children, name: str, endpoint: str, timeout_s: float
     """The trainer's status `compile` once its background compile is over (or there is none), and
     the wall-clock time it was first seen so (0.2 s polls). Still compiling at the timeout: the
     last state with `timed_out_s` added (the caller measures on eager steps and says so)."""
-    from dfpipe.ctl import try_status
-
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {}
     while True:
@@ -317,9 +307,7 @@ def window_done(skip: int, seconds: float) -> Callable[[list[dict[str, Any]]], b
 def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
     """Both services placed on plan.target_devices / plan.trainer_devices (issue 8): the target
     warms up alone, then the trainer (torchrun ranks over NCCL when several) trains for
-    plan.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
-    from dfpipe.ctl import try_status
-
+    plan.args.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
     cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO])),
@@ -342,9 +330,9 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
         sampler.start()
         children.spawn("trainer", ["trainer", "-c", cfg_path, "--set", f"train.out_dir={run_dir}"], env, ranks=ranks)
         rows = wait_metrics(children, "trainer", os.path.join(run_dir, "metrics.jsonl"),
-                            window_done(plan.p6_skip_steps, plan.p6_seconds),
+                            window_done(plan.args.p6_skip_steps, plan.args.p6_seconds),
                             max(1.0, deadline - time.monotonic()), also_alive=("target",))
-        figures.update(end_to_end(rows, plan.p6_skip_steps, sampler))
+        figures.update(end_to_end(rows, plan.args.p6_skip_steps, sampler))
         status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
         figures["target_stages"] = status.get("stages", {})
         print(f"placement {name}: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, "
@@ -362,8 +350,6 @@ WARM_COMPILED_NEEDS_S = 100.0
 def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
     """Cold start, together, warm restart (see the module docstring), filling `figures` as it goes
     so that the caller keeps what was measured when a later step fails."""
-    from dfpipe.ctl import try_status
-
     cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO]))}
@@ -400,17 +386,17 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         children.spawn("trainer-cold", trainer_args("run-cold"), trainer_env)
         cold_metrics = os.path.join(plan.workdir, "run-cold", "metrics.jsonl")
         rows = wait_metrics(children, "trainer-cold", cold_metrics, lambda r: True,
-                            min(plan.step_timeout_s, left()), also_alive=("target",))
+                            min(plan.args.step_timeout, left()), also_alive=("target",))
         figures["cold_first_step_s"] = rows[0]["time"] - t0
         print(f"cold start: first optimizer step {figures['cold_first_step_s']:.1f}s after both started", flush=True)
 
         # P6 on compiled steps only: the trainer steps eagerly until its background compile is ready
-        cold_compile, _ = wait_compiled(children, "trainer-cold", endpoint, min(plan.step_timeout_s, left() / 3))
+        cold_compile, _ = wait_compiled(children, "trainer-cold", endpoint, min(plan.args.step_timeout, left() / 3))
         figures["cold_compile"] = cold_compile
-        skip = (steps_after(cold_compile, plan.p6_skip_steps) if "timed_out_s" not in cold_compile
-                else len(read_metrics(cold_metrics)) + plan.p6_skip_steps)   # eager steps: figures say so
-        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.p6_seconds),
-                            min(plan.p6_seconds * 4 + 60, left()), also_alive=("target",))
+        skip = (steps_after(cold_compile, plan.args.p6_skip_steps) if "timed_out_s" not in cold_compile
+                else len(read_metrics(cold_metrics)) + plan.args.p6_skip_steps)   # eager steps: figures say so
+        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.args.p6_seconds),
+                            min(plan.args.p6_seconds * 4 + 60, left()), also_alive=("target",))
         figures.update(end_to_end(rows, skip, sampler))
         sampler.stop()
         print(f"together: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, produced "
@@ -430,7 +416,7 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         metrics = os.path.join(plan.workdir, run, "metrics.jsonl")
         t1 = time.time()
         children.spawn(name, trainer_args(run), trainer_env)
-        rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.step_timeout_s, left()),
+        rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.args.step_timeout, left()),
                             also_alive=("target",))
         first = rows[0]["time"] - t1
         warm = {"first_step_s": first, "over_cold_first_step": first / figures["cold_first_step_s"],

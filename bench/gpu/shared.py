@@ -143,13 +143,8 @@ class P2Rig:
 
     def bare_tok_s(self, runner: Any = None) -> float:
         """The bare loop's rate, of `runner` when given (the same batches on another target)."""
-        runner = self.runner if runner is None else runner
-        for b in self.batches[: self.warmup]:
-            runner.capture(*b)
-        timer = fixtures.RegionTimer(self.ctx.device).start()
-        for b in self.batches[self.warmup:]:
-            runner.capture(*b)
-        return self.tokens / timer.stop().seconds()
+        return fixtures.capture_tok_s(self.runner if runner is None else runner, self.batches, self.ctx.device,
+                                      self.warmup)
 
     def worker_run(self, **kwargs: Any) -> Any:
         """One TargetWorker run over the seqs (run_workers' keyword arguments: a patch, a polling consumer)."""

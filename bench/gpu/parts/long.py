@@ -56,11 +56,8 @@ def part_long(ctx: Ctx) -> str:
         lens = torch.tensor([doc] * q + ([r] if r else []), dtype=torch.int32)
         rows = [(torch.randint(0, top, (budget,), generator=g), document_positions(lens), lens)
                 for _ in range(1 + a.long_batches)]
-        runner.capture(*rows[0])          # untimed: a new document length may still tune a kernel
-        timer = fixtures.RegionTimer(dev).start()
-        for row in rows[1:]:
-            runner.capture(*row)
-        tok_s = a.long_batches * budget / timer.stop().seconds()
+        # the first untimed: a new document length may still tune a kernel
+        tok_s = fixtures.capture_tok_s(runner, rows, dev, warmup=1)
         gflop = target_flops_per_token(shape, proxy_layers, doc) / 1e9
         target[name] = {"doc_tokens": doc, "docs_per_batch": len(lens), "tok_s": tok_s, "us_per_token": 1e6 / tok_s,
                         "gflop_per_token": gflop, "tflop_s": tok_s * gflop / 1e3}

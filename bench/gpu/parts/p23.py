@@ -133,16 +133,10 @@ def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> 
         # seqs far past those P2 and the services use, and different for every variant
         seqs = range(10_000 + 100 * i, 10_000 + 100 * i + a.firstpass_batches)
         batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
-        tokens = sum(int(b[0].numel()) for b in batches)
         runner.attention_path = path
         if ctx.cuda:
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
-        rates = []
-        for _ in range(2):
-            timer = fixtures.RegionTimer(ctx.device).start()
-            for b in batches:
-                runner.capture(*b)
-            rates.append(tokens / timer.stop().seconds())
+        rates = [fixtures.capture_tok_s(runner, batches, ctx.device) for _ in range(2)]
         out[name] = {"first_tok_s": rates[0], "repeat_tok_s": rates[1], "first_over_repeat": rates[0] / rates[1],
                      "docs_per_batch": sum(int(b[2].numel()) for b in batches) / len(batches)}
         print(f"first pass, {name}: {rates[0]:,.0f} tok/s first, {rates[1]:,.0f} repeat", flush=True)

@@ -11,6 +11,7 @@ import argparse
 import json
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,10 @@ from bench.gpu.shared import Ctx, baseline_differs, step_figures
 
 
 def part_p5d(ctx: Ctx) -> str:
-    from dataclasses import replace
-
     from bench.gpu.drafter_rig import DrafterRig
     from drafter_trainer.fp8 import fp8_supported
     from drafter_trainer.loss import auto_blocks_per_chunk
+    from drafter_trainer.model import resolve_attention
 
     a = ctx.args
     dev = ctx.device
@@ -36,7 +36,6 @@ def part_p5d(ctx: Ctx) -> str:
         drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
                      attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
-    from drafter_trainer.model import resolve_attention
     rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
     work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
     anchors = [blocks.num_blocks for _, blocks in work]
@@ -84,8 +83,13 @@ def part_p5d(ctx: Ctx) -> str:
     if ctx.cuda and a.p5_profile:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
-    if baseline_differs(rig, a.p5d_baseline_attn):
-        numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
+    if baseline_differs(rig, a.p5d_baseline_attn):   # the headline's batches and chunk size on that path instead
+        impl = resolve_attention(a.p5d_baseline_attn, dev.type, rig.config.head_dim)
+        headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
+        try:
+            numbers["baseline"] = timed_against(rig, work, best, a, peak, chosen, "baseline", attn=impl)
+        finally:
+            rig.model.attn_impl = headline_impl
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
     # the rates later parts price with (P6d, P7), kept even if P5f below runs out of time
@@ -110,27 +114,12 @@ def part_p5d(ctx: Ctx) -> str:
     return "measured"
 
 
-def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
-                 headline: dict[str, Any]) -> dict[str, Any]:
-    """The headline's batches and chunk size stepped with --p5d-baseline-attn instead: the
-    headline's speed-up over it, in the same process (MFU from the same model FLOPs)."""
-    from dataclasses import replace
-
-    from drafter_trainer.model import resolve_attention
-
-    impl = resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim)
-    headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
-    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
-    try:
-        return timed_against(rig, work, chunk, a, peak, headline, "baseline", attn=impl)
-    finally:
-        rig.model.attn_impl = headline_impl
-
-
 def timed_against(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
                   headline: dict[str, Any], label: str, **settings: Any) -> dict[str, Any]:
-    """The headline's batches stepped as the rig is set now: step times, tok/s, MFU from the same
-    counted FLOPs, peak memory, and the headline's speed-up over it (`settings` are recorded)."""
+    """The headline's batches stepped as the rig is set now, at `chunk` blocks a chunk: step times,
+    tok/s, MFU from the same counted FLOPs, peak memory, and the headline's speed-up over it
+    (`settings` are recorded)."""
+    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     figures = step_figures(rig, work, rig.timed(work, len(work), a.p5d_steps), chunk, peak, time.perf_counter())
     out = {**settings, **{k: figures[k] for k in ("step_s", "step_s_all", "tok_s", "mfu")}}
     if rig.cuda:
@@ -145,13 +134,10 @@ def p5d_other_precision(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: ar
     """The headline's batches and chunk size stepped in --p5d-other-precision (fp8) instead of the
     headline's (bf16), in the same process: its step, and the gradient of one batch in both
     precisions from the same weights and planes, compared weight by weight (cosine)."""
-    from dataclasses import replace
-
     from drafter_trainer.fp8 import resolve_precision
 
     headline_precision = rig.model.precision
     base = resolve_precision(a.p5d_other_precision, rig.device)
-    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
         rig.model.precision = base
         out = timed_against(rig, work, chunk, a, peak, headline, "other precision",

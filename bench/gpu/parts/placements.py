@@ -28,11 +28,8 @@ def part_placements(ctx: Ctx) -> str:
         t_ids, d_ids = spec.split("/")
         name = spec.replace("/", "-")
         as_dev = (lambda ids: [f"cuda:{c}" for c in ids]) if ctx.cuda else (lambda ids: ["cpu"] * len(ids))
-        plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, device=str(ctx.device) if ctx.cuda else "cpu",
-                           ring_name=ctx.ring_name(f"pl{name}"), shm_dir=ctx.shm_dir, slots=a.ring_slots,
-                           anchors=a.anchors, block=a.block, drafter_layers=a.drafter_layers,
-                           loss_chunk=a.loss_chunk, audit_every=a.audit_every, p6_seconds=a.p6_seconds,
-                           p6_skip_steps=a.p6_skip_steps, cold_triton="shared", step_timeout_s=a.step_timeout,
+        plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, args=a, ring_name=ctx.ring_name(f"pl{name}"),
+                           device=str(ctx.device) if ctx.cuda else "cpu", shm_dir=ctx.shm_dir, cold_triton="shared",
                            attn=attn, target_devices=as_dev(t_ids), trainer_devices=as_dev(d_ids))
         figures: dict[str, Any] = {}
         try:

@@ -5,6 +5,7 @@ and all-reduce), each against N (M) times the single one measured in the same ru
 of 2/4/8-GPU hosts the rates recommend. Result: tok/s and efficiency per count."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -119,10 +120,8 @@ def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...
     threads = [threading.Thread(target=loop, args=(r, sh)) for r, sh in zip(runners, shares)]
     for t in threads:
         t.start()
-    try:
+    with contextlib.suppress(threading.BrokenBarrierError):
         start.wait()
-    except threading.BrokenBarrierError:
-        pass
     for t in threads:
         t.join()
     if errors:

@@ -34,11 +34,8 @@ def part_services(ctx: Ctx) -> str:
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
-    plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, device=str(ctx.device) if ctx.cuda else "cpu",
-                       ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, slots=a.ring_slots, anchors=a.anchors,
-                       block=a.block, drafter_layers=a.drafter_layers, loss_chunk=a.loss_chunk,
-                       audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
-                       cold_triton=a.cold_triton, step_timeout_s=a.step_timeout,
+    plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, args=a, device=str(ctx.device) if ctx.cuda else "cpu",
+                       ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, cold_triton=a.cold_triton,
                        attn=ctx.drafter_attn(), blocks_per_chunk=services_chunk(ctx))
     figures: dict[str, Any] = {"blocks_per_chunk": plan.blocks_per_chunk}
     error = None
