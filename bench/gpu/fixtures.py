@@ -5,8 +5,7 @@ Work folder (default /tmp/dfpipe-gpu-bench), built once by the `env` part and re
 
     manifest.json        the shape, capture ids, token budget and paths below (parts read it; a
                          changed shape rebuilds)
-    target/              Qwen3_5TextConfig of the real Qwen3.5-27B widths (hidden 5120, 24 q / 4 kv
-                         heads x 256, GDN 16 k / 48 v heads x 128, MLP 17408, vocab 248320), random
+    target/              Qwen3_5TextConfig of the real Qwen3.5-27B widths (gpu_bench.py's FULL), random
                          weights, bf16 safetensors, only `layers` decoder layers (3 GDN : 1 attention)
     data/                a dfpipe prepared folder (input_ids, loss_mask, offsets, sample_ids .npy):
                          lognormal lengths clipped to [2, max_len], first 20% of each document
@@ -119,7 +118,6 @@ def write_dataset(out_dir: str, lengths: np.ndarray, vocab: int, mask_token_id: 
     return total
 
 
-# -- manifest -------------------------------------------------------------------------------------
 def manifest_path(workdir: str) -> str:
     return os.path.join(workdir, MANIFEST)
 
@@ -151,7 +149,6 @@ def shape_dict(shape: TargetShape) -> dict[str, Any]:
     return d
 
 
-# -- target and batches ---------------------------------------------------------------------------
 class LinearBackendError(RuntimeError):
     """On CUDA the target fell back to the torch Gated DeltaNet path: FLA is not importable."""
 
@@ -181,7 +178,6 @@ def packed_batch(arrays: dict[str, np.ndarray], hidden: torch.Tensor, seq: int, 
     return PackedBatch(hidden=hidden, **tokens, seq=seq, epoch=0).to(device)
 
 
-# -- timing ---------------------------------------------------------------------------------------
 class RegionTimer:
     """Seconds of device work between start() and stop().
 

@@ -101,7 +101,6 @@ class ResultStore:
             os.replace(tmp, self.path)
             return data
 
-    # -- parts ------------------------------------------------------------------------------------
     def part(self, name: str, status: str, **fields: Any) -> None:
         if status not in STATUSES:
             raise ValueError(f"part status {status!r} not in {STATUSES}")
@@ -112,7 +111,6 @@ class ResultStore:
         self.update(lambda d: d["parts"].setdefault(part, {"status": "running"}).setdefault("figures", {})
                     .update(figures))
 
-    # -- benchmarks -------------------------------------------------------------------------------
     def benchmark(self, key: str, values: dict[str, float | None], numbers: dict[str, Any],
                   error: str | None = None) -> dict[str, Any]:
         """Record benchmark `key` (P1..P8): its check values, the numbers behind them, pass/fail."""

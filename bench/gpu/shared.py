@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ class SkipPart(Exception):
     """The part cannot run here (no CUDA, missing fixtures of a skipped part); the message says why."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Ctx:
     args: argparse.Namespace
     store: ResultStore
@@ -82,10 +82,8 @@ def target_shape(a: argparse.Namespace) -> fixtures.TargetShape:
         raise SystemExit(f"--capture-ids {a.capture_ids}: strictly increasing ids inside the {a.layers} layers")
     if not 0 <= a.mask_token_id < a.vocab:
         raise SystemExit(f"--mask-token-id {a.mask_token_id} outside the vocabulary of {a.vocab}")
-    return fixtures.TargetShape(hidden=a.hidden, layers=a.layers, capture_ids=ids, heads=a.heads, kv_heads=a.kv_heads,
-                                head_dim=a.head_dim, intermediate=a.intermediate, linear_k_heads=a.linear_k_heads,
-                                linear_v_heads=a.linear_v_heads, linear_k_dim=a.linear_k_dim,
-                                linear_v_dim=a.linear_v_dim, vocab=a.vocab, mask_token_id=a.mask_token_id)
+    flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(fixtures.TargetShape)}   # the flags of its fields
+    return fixtures.TargetShape(**{**flags, "capture_ids": ids})
 
 
 def host_splits(target: float, drafter: float, gpus: int) -> list[dict[str, Any]]:

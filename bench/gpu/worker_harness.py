@@ -61,12 +61,10 @@ def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs
                 patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
                 poll_interval_s: float | None = None) -> WorkerRun:
     """Serve `seqs` through one TargetWorker per runner (one ring each, one shared dispatcher: the
-    server's shape); every published slot goes through on_slot, then is acked.
-
-    `patch` may alter each worker before it starts (a diagnostic variant). The consumer scans the
-    rings when a worker reports a publish, or every `poll_interval_s` when given. Raises a worker's own
-    error if one fails, TimeoutError if the seqs are not all published or quarantined in time.
-    """
+    server's shape); every published slot goes through on_slot, then is acked. `patch` may alter
+    each worker before it starts (a diagnostic variant); `poll_interval_s`: scan that often instead
+    of on each publish. Raises a worker's own error if one fails, TimeoutError if the seqs are not
+    all published or quarantined in time."""
     run = WorkerRun()
     dispatcher = Dispatcher()
     dispatcher.reset(list(seqs))

@@ -109,10 +109,9 @@ def part_long(ctx: Ctx) -> str:
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             times = rig.timed(work, max(a.p5_warmup, len(work)), a.long_p5d_steps)
-            out: dict[str, Any] = {"precision": precision}
-            if ctx.cuda:     # read before anything else allocates
-                out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-            return {**out, **step_figures(rig, work, times, a.long_chunk, peak, t0)}
+            # peak memory read before anything else allocates
+            peak_mem = {"peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9} if ctx.cuda else {}
+            return {"precision": precision, **peak_mem, **step_figures(rig, work, times, a.long_chunk, peak, t0)}
 
         # the trainer's default precision, as P5d's headline; then the other one (P5f's) on the same batches
         numbers.update(timed_step(rig.model.precision))

@@ -33,7 +33,6 @@ def part_p5(ctx: Ctx) -> str:
     if not modes or set(modes) - {"on", "off"}:
         raise ValueError(f"--p5-compile {a.p5_compile!r}: a list of on / off")
 
-    # P5: the brief's size (one 3072-token row, 512 anchors), each attention path of the drafter
     numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_per_doc_max": a.p5_anchors,
                                "block": a.block,
                                "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
