@@ -110,14 +110,6 @@ def plot(points: list[dict[str, Any]], block_size: int, png: str) -> bool:
     return True
 
 
-def whole_epochs(steps: int, target_dir: str, samples: list[dict[str, Any]], recipe: tt.DrafterRecipe,
-                 seed: int) -> tuple[int, int]:
-    """(epochs, batches of epoch 0) for about `steps` steps: whole epochs, so the trainer's cosine
-    schedule (a function of planned batches) runs to its end."""
-    batches_per_epoch = tt.planned_steps(target_dir, samples, recipe, 1, seed)
-    return max(1, round(steps / batches_per_epoch)), batches_per_epoch
-
-
 def train_through_services(args: argparse.Namespace, target_dir: str, data_path: str,
                            samples: list[dict[str, Any]], recipe: tt.DrafterRecipe
                            ) -> list[tuple[int, str, float, float]]:
@@ -129,7 +121,9 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
     from dfpipe.export_cmd import export_checkpoint
     from drafter_trainer.checkpoint import list_checkpoints, read_meta
 
-    epochs, batches_per_epoch = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
+    # whole epochs of about --steps steps, so the trainer's cosine schedule (a function of planned batches) ends
+    batches_per_epoch = tt.planned_steps(target_dir, samples, recipe, 1, args.seed)
+    epochs = max(1, round(args.steps / batches_per_epoch))
     run = os.path.join(args.cache_dir, f"services-run-a{recipe.max_anchors}")
     shutil.rmtree(run, ignore_errors=True)
     log(f"two-service training in {run}: {epochs} epochs of {batches_per_epoch} batches "

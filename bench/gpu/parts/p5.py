@@ -34,8 +34,7 @@ def part_p5(ctx: Ctx) -> str:
         raise ValueError(f"--p5-compile {a.p5_compile!r}: a list of on / off")
 
     numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_per_doc_max": a.p5_anchors,
-                               "block": a.block,
-                               "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
+                               "block": a.block, "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
                                "heads": f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads}x{dcfg.head_dim}",
                                "intermediate": dcfg.intermediate_size, "vocab": dcfg.vocab_size,
                                "matmul_peak_tflops": peak,
@@ -84,15 +83,13 @@ def part_p5(ctx: Ctx) -> str:
         # Compiling speeds up the same non-attention work on every path, so the eager ranking picks
         # the path to compile; a compile per path would not fit the part's time limit.
         eager_best = fastest([measure(impl, False) for impl in impls]) if "off" in modes else None
-        compiled_keys = []
-        if "on" in modes:
-            paths = [numbers["variants"][eager_best]["attn"]] if eager_best else impls
-            compiled_keys = [measure(impl, True) for impl in paths]
+        paths = [numbers["variants"][eager_best]["attn"]] if eager_best else impls
+        compiled_keys = [measure(impl, True) for impl in paths] if "on" in modes else []
         best = fastest([eager_best, *compiled_keys])
         if best is None:
             raise RuntimeError(f"every attention path failed: {numbers['variants']}")
         chosen = numbers["variants"][best]
-        numbers.update({k: x for k, x in chosen.items()}, variant=best)
+        numbers.update(chosen, variant=best)
         pair = [numbers["variants"].get(k, {}) for k in (chosen["attn"], chosen["attn"] + "+compile")]
         if all("step_s" in v for v in pair):
             numbers["compile_ab"] = {"attn": chosen["attn"], "eager_step_s": pair[0]["step_s"],
