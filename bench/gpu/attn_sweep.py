@@ -197,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     # 4 q_dim per visible key forward, twice that backward
     from bench.trainer_bench import visible_keys
     fwd_tflop = 4.0 * config.num_attention_heads * config.head_dim * sum(visible_keys(x.blocks, None) for x in layouts) / 1e12
-    names = [n for n in a.variants.split(",") if n]
     # the split path first: the others are checked against its output
-    names = sorted(names, key=lambda n: n != "split")
+    names = sorted((n for n in a.variants.split(",") if n), key=lambda n: n != "split")
     results: dict[str, Any] = {}
     reference = None
     for name, attend in make_variants(names, layouts, a.block):

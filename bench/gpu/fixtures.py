@@ -187,23 +187,20 @@ class RegionTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._t0 = self._t1 = 0.0
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> "RegionTimer":
+        self._t0 = time.perf_counter()
         if self.cuda:
             self._start.record()
-        else:
-            self._t0 = time.perf_counter()
         return self
 
     def stop(self) -> "RegionTimer":
         if self.cuda:
             self._end.record()
-        else:
-            self._t1 = time.perf_counter()
+        self._t1 = time.perf_counter()
         return self
 
     def seconds(self) -> float:

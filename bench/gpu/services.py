@@ -206,15 +206,6 @@ def wait_metrics(children: Children, name: str, path: str, enough: Callable[[lis
         time.sleep(0.2)
 
 
-def together_rate(rows: list[dict[str, Any]], skip: int) -> tuple[float, float, int]:
-    """(tokens/s, seconds, steps) over the records after the first `skip`, by their wall-clock stamps."""
-    window = rows[skip:]
-    if len(window) < 2:
-        raise ValueError(f"need at least {skip + 2} metrics records, got {len(rows)}")
-    seconds = window[-1]["time"] - window[0]["time"]
-    return sum(float(r["step_tokens"]) for r in window[1:]) / seconds, seconds, len(window) - 1
-
-
 class ProductionSampler(threading.Thread):
     """The target's produced-token counter over time (status polls). A window's end-to-end rate is
     the lesser of what the trainer trained and what the target produced in it: at the window's
@@ -250,16 +241,18 @@ class ProductionSampler(threading.Thread):
 
 
 def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler) -> dict[str, Any]:
-    """Trained and produced rates over the window after `skip` steps; together = the lesser."""
-    trained, seconds, steps = together_rate(rows, skip)
-    produced = sampler.rate(rows[skip]["time"], rows[-1]["time"])
-    window = rows[skip + 1:]
+    """Trained and produced rates over the window after `skip` steps, between the records'
+    wall-clock stamps; together = the lesser."""
+    if len(rows) < skip + 2:
+        raise ValueError(f"need at least {skip + 2} metrics records, got {len(rows)}")
+    window, seconds = rows[skip + 1:], rows[-1]["time"] - rows[skip]["time"]
+    tokens = sum(float(r["step_tokens"]) for r in window)
+    trained, produced = tokens / seconds, sampler.rate(rows[skip]["time"], rows[-1]["time"])
     return {"together_tok_s": min(trained, produced) if produced else trained, "trained_tok_s": trained,
-            "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
-            "together_mean_step_s": sum(r["step_s"] for r in window) / steps,
+            "produced_tok_s": produced, "together_seconds": seconds, "together_steps": len(window),
+            "together_mean_step_s": sum(r["step_s"] for r in window) / len(window),
             # what the window's own batches hold: the ideal is priced per batch (see part_services)
-            "together_tokens": sum(float(r["step_tokens"]) for r in window),
-            "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
+            "together_tokens": tokens, "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
 
 
 def wait_compiled(children: Children, name: str, endpoint: str, timeout_s: float) -> tuple[dict[str, Any], float]:

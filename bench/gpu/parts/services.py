@@ -19,24 +19,17 @@ from bench.gpu.shared import Ctx
 SERVICES_FULL_CHUNK_GB = 100
 
 
-def services_chunk(ctx: Ctx) -> int:
-    """drafter.blocks_per_chunk for the services part: 0 (auto) on a card of at least
-    SERVICES_FULL_CHUNK_GB, else a third of the auto chunk."""
-    from drafter_trainer.loss import auto_blocks_per_chunk
-
-    if not ctx.cuda or torch.cuda.get_device_properties(ctx.device).total_memory >= SERVICES_FULL_CHUNK_GB * 1e9:
-        return 0
-    return auto_blocks_per_chunk(ctx.args.block) // 3
-
-
 def part_services(ctx: Ctx) -> str:
     from bench.gpu.services import ServicePlan, run_services
+    from drafter_trainer.loss import auto_blocks_per_chunk
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
+    small_card = ctx.cuda and torch.cuda.get_device_properties(ctx.device).total_memory < SERVICES_FULL_CHUNK_GB * 1e9
+    chunk = auto_blocks_per_chunk(a.block) // 3 if small_card else 0   # drafter.blocks_per_chunk (0: auto)
     plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, args=a, device=str(ctx.device) if ctx.cuda else "cpu",
                        ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, cold_triton=a.cold_triton,
-                       attn=ctx.drafter_attn(), blocks_per_chunk=services_chunk(ctx))
+                       attn=ctx.drafter_attn(), blocks_per_chunk=chunk)
     figures: dict[str, Any] = {"blocks_per_chunk": plan.blocks_per_chunk}
     error = None
     try:
