@@ -263,9 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.attn == "flex" and device.type != "cuda":
         p.error("--attn flex needs CUDA (flex_attention has no CPU backward)")
     peak_tflops = args.peak_tflops or (989.0 if device.type == "cuda" else None)
-    layer_types = ["full_attention"] * args.layers
-    if args.sliding_window:
-        layer_types = ["sliding_attention"] * (args.layers - 1) + ["full_attention"]
+    layer_types = (["sliding_attention"] * (args.layers - 1) + ["full_attention"] if args.sliding_window
+                   else ["full_attention"] * args.layers)
     cfg = drafter_config(args, args.block, layer_types=layer_types, sliding_window=args.sliding_window or None)
     if not args.child:
         # One process per (N, variant): each starts from an empty allocator, so no variant's peak

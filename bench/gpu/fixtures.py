@@ -118,12 +118,8 @@ def write_dataset(out_dir: str, lengths: np.ndarray, vocab: int, mask_token_id: 
     return total
 
 
-def manifest_path(workdir: str) -> str:
-    return os.path.join(workdir, MANIFEST)
-
-
 def read_manifest(workdir: str) -> dict[str, Any]:
-    path = manifest_path(workdir)
+    path = os.path.join(workdir, MANIFEST)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: run the env part first (gpu_bench.py env)")
     with open(path, encoding="utf-8") as f:
@@ -131,10 +127,10 @@ def read_manifest(workdir: str) -> dict[str, Any]:
 
 
 def write_manifest(workdir: str, manifest: dict[str, Any]) -> None:
-    tmp = manifest_path(workdir) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    path = os.path.join(workdir, MANIFEST)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, manifest_path(workdir))
+    os.replace(path + ".tmp", path)
 
 
 def shape_of(manifest: dict[str, Any]) -> TargetShape:
@@ -303,4 +299,3 @@ def layer_and_rest_bytes(target_dir: str) -> tuple[int, int, int]:
             else:
                 rest += end - start
     return layer_bytes, rest, len(layers)
-

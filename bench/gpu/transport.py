@@ -233,11 +233,3 @@ def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, 
             proc.kill()
             proc.wait()
         ring.close()
-
-
-def consumer_device_for(device: torch.device) -> str:
-    """The 'trainer GPU': a second GPU when there is one (the production layout), else the same one."""
-    if device.type != "cuda":
-        return "cpu"
-    return f"cuda:{1 if torch.cuda.device_count() > 1 else 0}"
-

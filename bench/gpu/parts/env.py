@@ -69,8 +69,7 @@ def versions(device: torch.device) -> dict[str, Any]:
         import triton
         autotuning = getattr(getattr(triton, "knobs", None), "autotuning", None)
         out["triton_autotune_cache_knob"] = hasattr(autotuning, "cache")  # TRITON_CACHE_AUTOTUNING is read
-    for var in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "PYTHONPATH"):
-        out[var] = os.environ.get(var, "")
+    out.update({var: os.environ.get(var, "") for var in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "PYTHONPATH")})
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         out.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=round(p.total_memory / 1e9, 1),

@@ -28,7 +28,19 @@ def part_fp8(ctx: Ctx) -> str:
     manifest = fixtures.read_manifest(ctx.workdir)
     budget, max_len = manifest["token_budget"], manifest["max_len"]
     if ctx.cuda and fp8.fp8_matmul_unavailable(ctx.device) is None:
-        _fp8_gemm_micro(ctx, budget)
+        # the GEMM micro-benchmark (fp8_gemm.py) at a batch's tokens and a quarter of them
+        from bench.gpu.fp8_gemm import best, compare
+        try:
+            records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
+        except Exception as e:   # logged and recorded; P8 runs on
+            traceback.print_exc()
+            ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
+        else:
+            for r in records:
+                print(json.dumps({"fp8_gemm": r}), flush=True)
+            summary = best(records)
+            print(json.dumps({"fp8_gemm_summary": summary}), flush=True)
+            ctx.store.figures("fp8", gemm=records, gemm_summary=summary)
     baseline = fixtures.load_runner(manifest, ctx.device, a.allow_torch_linear)
     t0 = time.perf_counter()
     runner = copy.deepcopy(baseline)
@@ -71,21 +83,3 @@ def part_fp8(ctx: Ctx) -> str:
                         numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "measured"
-
-
-def _fp8_gemm_micro(ctx: Ctx, budget: int) -> None:
-    """P8's GEMM micro-benchmark (bench/gpu/fp8_gemm.py) at a batch's tokens and a quarter of them;
-    a failure is logged and recorded, and P8 runs on."""
-    from bench.gpu.fp8_gemm import best, compare
-
-    try:
-        records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
-    except Exception as e:
-        traceback.print_exc()
-        ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
-        return
-    for r in records:
-        print(json.dumps({"fp8_gemm": r}), flush=True)
-    summary = best(records)
-    print(json.dumps({"fp8_gemm_summary": summary}), flush=True)
-    ctx.store.figures("fp8", gemm=records, gemm_summary=summary)

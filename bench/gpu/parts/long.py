@@ -72,9 +72,8 @@ def part_long(ctx: Ctx) -> str:
     p2 = None
     with ctx.recorded("P2L", numbers, failed):
         dataset = PreparedDataset.open(data_dir)
-        packer = Packer(dataset.lengths, budget, a.seed)
-        p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.long_p2_batches)), long_doc,
-                   a.p2_warmup, "p2long")
+        p2 = P2Rig(ctx, runner, dataset, Packer(dataset.lengths, budget, a.seed),
+                   list(range(a.p2_warmup + a.long_p2_batches)), long_doc, a.p2_warmup, "p2long")
         numbers.update(p2.turns(a.long_p2_repeats), tokens_timed=p2.tokens)
         ratios = numbers["ratio_runs"]
         ctx.store.benchmark("P2L", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)

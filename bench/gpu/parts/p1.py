@@ -9,17 +9,20 @@ import json
 import traceback
 from typing import Any
 
+import torch
+
 from bench.gpu import fixtures
 from bench.gpu.shared import RUNNER, Ctx
 
 
 def part_p1(ctx: Ctx) -> str:
-    from bench.gpu.transport import consumer_device_for, run_transport
+    from bench.gpu.transport import run_transport
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
     shape = fixtures.shape_of(manifest)
-    other = consumer_device_for(ctx.device)
+    # the 'trainer GPU': a second GPU when there is one (the production layout), else the same one
+    other = f"cuda:{1 if torch.cuda.device_count() > 1 else 0}" if ctx.cuda else "cpu"
     consumers = [other] + ([str(ctx.device)] if ctx.cuda and other != str(ctx.device) else [])
     variants: dict[str, Any] = {}
     for slots in (int(x) for x in str(a.p1_slots).split(",")):
