@@ -38,21 +38,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.trainer_bench import add_shape_args, drafter_config  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
 from common.seqset import SeqSet  # noqa: E402
 from drafter_trainer.checkpoint import HASH_THREADS, STATE, TrainerState, verify_checkpoint  # noqa: E402
-from drafter_trainer.model import DFlashConfig, DFlashDraftModel  # noqa: E402
+from drafter_trainer.model import DFlashDraftModel  # noqa: E402
 from drafter_trainer.optim import build_adamw  # noqa: E402
 
 
 def trainer_state(args: argparse.Namespace, device: torch.device) -> TrainerState:
     """The trainer's checkpoint state of a drafter of the given shape: trainable weights and AdamW moments."""
-    cfg = DFlashConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        vocab_size=args.vocab, rms_norm_eps=1e-6, rope_theta=1e6, block_size=16,
-        target_layer_ids=list(range(1, 2 * args.capture_layers, 2)), mask_token_id=args.vocab - 1,
-        num_target_layers=2 * args.capture_layers + 1)
+    cfg = drafter_config(args, block_size=16)
     with device:   # the frozen target head is not part of a checkpoint: never set here
         model = DFlashDraftModel(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -94,14 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dir", default="", help="where checkpoints are written (default: a temp folder); the "
                                              "trainer's train.out_dir disk is what counts")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--capture-layers", type=int, default=5)
+    add_shape_args(p, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warm", action="store_true", help="load from the page cache (a restart right after the save)")
     p.add_argument("--checkpoint-every", type=int, default=500, help="train.checkpoint_every (configs/gpu.yaml: 500)")

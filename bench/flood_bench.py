@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -102,26 +103,27 @@ def probe_s(endpoint: str, timeout_s: float = 5.0) -> float:
     return time.monotonic() - t0
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def probe_while(endpoint: str, busy: Callable[[], bool], every_s: float, quantiles: dict[str, float]) -> dict[str, Any]:
+    """A status probe (probe_s) every `every_s` while busy(): probes, timeouts, the answers' latency quantiles."""
+    latencies = []
+    while busy():
+        latencies.append(probe_s(endpoint))
+        time.sleep(every_s)
+    answered = sorted(s for s in latencies if s != float("inf"))
+    return {"probes": len(latencies), "timeouts": len(latencies) - len(answered),
+            **{f"probe_{name}_s": round(answered[min(len(answered) - 1, int(q * len(answered)))], 3) if answered
+               else None for name, q in quantiles.items()}}
 
 
 def request_flood(endpoint: str, connections: int, requests: int, every_s: float = 0.1) -> dict[str, Any]:
     """Queue `requests` status requests on each of `connections` connections; probe while they drain."""
     flooder = subprocess.Popen([sys.executable, FLOODER, endpoint, str(connections), "--requests", str(requests)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    latencies = []
-    while flooder.poll() is None:
-        latencies.append(probe_s(endpoint))
-        time.sleep(every_s)
+    probes = probe_while(endpoint, lambda: flooder.poll() is None, every_s,
+                         {"p50": 0.5, "p90": 0.9, "p99": 0.99, "max": 1.0})
     sent = json.loads(flooder.communicate()[0])
-    answered = [s for s in latencies if s != float("inf")]
     return {"requests": sent["frames"], "answered": sent["answers"], "drain_s": sent["seconds"],
-            "per_request_ms": round(1000 * sent["seconds"] / max(1, sent["answers"]), 3),
-            "probes": len(latencies), "timeouts": len(latencies) - len(answered),
-            **{f"probe_{name}_s": round(quantile(answered, q), 3) if answered else None
-               for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))}}
+            "per_request_ms": round(1000 * sent["seconds"] / max(1, sent["answers"]), 3), **probes}
 
 
 def frame_flood(pid: int, endpoint: str, connections: int, size: int, seconds: float) -> dict[str, Any]:
@@ -174,20 +176,15 @@ def hello_flood(endpoint: str, threads: int, size: int, seconds: float, every_s:
     workers = [threading.Thread(target=spam, args=(i,), daemon=True) for i in range(threads)]
     for w in workers:
         w.start()
-    latencies, deadline = [], time.monotonic() + seconds
+    deadline = time.monotonic() + seconds
     try:
-        while time.monotonic() < deadline:
-            latencies.append(probe_s(endpoint))
-            time.sleep(every_s)
+        probes = probe_while(endpoint, lambda: time.monotonic() < deadline, every_s,
+                             {"p50": 0.5, "p90": 0.9, "max": 1.0})
     finally:
         halt.set()
         for w in workers:
             w.join(10)
-    answered = [s for s in latencies if s != float("inf")]
-    return {"hello_bytes": len(frame), "hellos_sent": sum(sent), "probes": len(latencies),
-            "timeouts": len(latencies) - len(answered),
-            **{f"probe_{name}_s": round(quantile(answered, q), 3) if answered else None
-               for name, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))}}
+    return {"hello_bytes": len(frame), "hellos_sent": sum(sent), **probes}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,19 +192,18 @@ def heldout_score(drafter: Any, heldout: list[tuple[Any, Any]]) -> tuple[float, 
 
     was_training = drafter.training
     drafter.eval()
-    correct = count = None
+    correct = count = 0
     ce_sum = weight_sum = 0.0
     try:
         with drafter.as_served():
             for batch, blocks in heldout:
                 out = dflash_loss(drafter, batch, blocks, chunk=1024)
-                correct = out.correct_per_pos.double() if correct is None else correct + out.correct_per_pos.double()
-                count = out.count_per_pos.double() if count is None else count + out.count_per_pos.double()
+                correct = correct + out.correct_per_pos.double()
+                count = count + out.count_per_pos.double()
                 ce_sum += float(out.ce_sum)
                 weight_sum += float(out.weight_sum)
     finally:
         drafter.train(was_training)
-    assert correct is not None and count is not None
     return ce_sum / weight_sum, implied_acceptance_length((correct / count.clamp_min(1))[1:])
 
 

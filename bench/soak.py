@@ -170,14 +170,12 @@ class Soak:
             self.wait(lambda: (s := try_status(self.ep_trainer)) and s.get("state") == "waiting_for_target", 60,
                       "the trainer to wait for the target")
             self.start_target()
-        elif action == "target_pause":
-            self.ctl(self.ep_target, "target", "pause")
+        elif action in ("target_pause", "trainer_pause"):
+            service = action.split("_")[0]
+            endpoint = self.ep_target if service == "target" else self.ep_trainer
+            self.ctl(endpoint, service, "pause")
             time.sleep(self.rng.uniform(0.5, 3.0))
-            self.ctl(self.ep_target, "target", "resume")
-        elif action == "trainer_pause":
-            self.ctl(self.ep_trainer, "trainer", "pause")
-            time.sleep(self.rng.uniform(0.5, 3.0))
-            self.ctl(self.ep_trainer, "trainer", "resume")
+            self.ctl(endpoint, service, "resume")
         elif action == "trainer_checkpoint_now":
             self.ctl(self.ep_trainer, "trainer", "checkpoint")
         else:
@@ -238,9 +236,8 @@ def lifetime_trends(samples: list[dict[str, Any]], settle_s: float) -> list[dict
                     "rss_mb_per_hour": round(slope_per_s(ts, rss) * 3600, 2),
                     # the allocator settles for a while; a leak keeps its pace to the end
                     "rss_mb_per_hour_late": round(slope_per_s(ts[late:], rss[late:]) * 3600, 2),
-                    "threads": [min(s["threads"] for s in rows), max(s["threads"] for s in rows)],
-                    "fds": [min(s["fds"] for s in rows), max(s["fds"] for s in rows)],
-                    "ring_files": [min(s["ring_files"] for s in rows), max(s["ring_files"] for s in rows)]})
+                    **{k: [min(s[k] for s in rows), max(s[k] for s in rows)]
+                       for k in ("threads", "fds", "ring_files")}})
     return out
 
 
@@ -362,11 +359,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         soak.stop_sampling.set()
         soak.children.close()
-        result["seconds"] = round(time.monotonic() - t0, 1)
-        result["actions"] = soak.actions
-        result["trainers_started"] = soak.trainers_started
-        result["targets_started"] = soak.targets_started
-        result["target_lifetimes"] = lifetime_trends(soak.samples, args.settle_s)
+        result.update(seconds=round(time.monotonic() - t0, 1), actions=soak.actions,
+                      trainers_started=soak.trainers_started, targets_started=soak.targets_started,
+                      target_lifetimes=lifetime_trends(soak.samples, args.settle_s))
         # the raw series, for a closer look: [seconds since start, target, rss MB, threads, fds, ring files,
         # batches the target has produced]
         result["series"] = [[round(r["t"] - soak.samples[0]["t"], 1), r["target"], round(r["rss_mb"], 2), r["threads"],

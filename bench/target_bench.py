@@ -25,6 +25,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -60,18 +61,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(fn: Callable[..., object], batches: list[tuple[torch.Tensor, ...]], device: torch.device) -> float:
+    """Seconds of fn over every batch, after one untimed call (kernel autotune / first-call costs)."""
+    fn(*batches[0])
+    _sync(device)
+    start = time.perf_counter()
+    for batch in batches:
+        fn(*batch)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def run_packed(runner: TargetRunner, docs: list[torch.Tensor], rows: list[list[int]]) -> tuple[int, float]:
     batches = []
     for row in rows:
         lens = torch.tensor([len(docs[i]) for i in row], dtype=torch.int32)
         batches.append((torch.cat([docs[i] for i in row]), document_positions(lens), lens))
-    runner.capture(*batches[0])  # warm-up (kernel autotune / first-call costs)
-    _sync(runner.device)
-    start = time.perf_counter()
-    for batch in batches:
-        runner.capture(*batch)
-    _sync(runner.device)
-    return sum(len(d) for d in docs), time.perf_counter() - start
+    return sum(len(d) for d in docs), _timed(runner.capture, batches, runner.device)
 
 
 @torch.no_grad()
@@ -88,17 +94,8 @@ def run_padded(runner: TargetRunner, docs: list[torch.Tensor], per_batch: int) -
             mask[r, :len(d)] = 1
         batches.append((ids.to(runner.device), mask.to(runner.device)))
         computed += len(group) * width
-
-    def forward(ids: torch.Tensor, mask: torch.Tensor) -> None:
-        runner.model(input_ids=ids, attention_mask=mask, use_cache=False)
-
-    forward(*batches[0])
-    _sync(runner.device)
-    start = time.perf_counter()
-    for batch in batches:
-        forward(*batch)
-    _sync(runner.device)
-    return computed, time.perf_counter() - start
+    return computed, _timed(lambda ids, mask: runner.model(input_ids=ids, attention_mask=mask, use_cache=False),
+                            batches, runner.device)
 
 
 def main() -> None:

@@ -110,14 +110,6 @@ def plot(points: list[dict[str, Any]], block_size: int, png: str) -> bool:
     return True
 
 
-def whole_epochs(steps: int, target_dir: str, samples: list[dict[str, Any]], recipe: tt.DrafterRecipe,
-                 seed: int) -> tuple[int, int]:
-    """(epochs, batches of epoch 0) for about `steps` steps: whole epochs, so the trainer's cosine
-    schedule (a function of planned batches) runs to its end."""
-    batches_per_epoch = tt.planned_steps(target_dir, samples, recipe, 1, seed)
-    return max(1, round(steps / batches_per_epoch)), batches_per_epoch
-
-
 def train_through_services(args: argparse.Namespace, target_dir: str, data_path: str,
                            samples: list[dict[str, Any]], recipe: tt.DrafterRecipe
                            ) -> list[tuple[int, str, float, float]]:
@@ -125,25 +117,21 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
     --eval-every steps, each exported; (step, export, implied tau, loss) per checkpoint, the
     implied tau and loss being the trainer's logged values at the nearest logged step."""
     from common.config import load_config
+    from dfpipe.demo import read_metrics
     from dfpipe.export_cmd import export_checkpoint
     from drafter_trainer.checkpoint import list_checkpoints, read_meta
 
-    epochs, batches_per_epoch = whole_epochs(args.steps, target_dir, samples, recipe, args.seed)
+    # whole epochs of about --steps steps, so the trainer's cosine schedule (a function of planned batches) ends
+    batches_per_epoch = tt.planned_steps(target_dir, samples, recipe, 1, args.seed)
+    epochs = max(1, round(args.steps / batches_per_epoch))
     run = os.path.join(args.cache_dir, f"services-run-a{recipe.max_anchors}")
     shutil.rmtree(run, ignore_errors=True)
     log(f"two-service training in {run}: {epochs} epochs of {batches_per_epoch} batches "
         f"(--steps {args.steps} rounded to whole epochs)")
     config = tt.train_drafter_through_services(target_dir, data_path, run, recipe, epochs, seed=args.seed,
                                                checkpoint_every=args.eval_every)
-    logged: dict[int, tuple[float, float]] = {}
-    metrics = os.path.join(run, "train", "metrics.jsonl")
-    if os.path.isfile(metrics):
-        with open(metrics, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    if "loss" in rec:
-                        logged[int(rec["step"])] = (float(rec.get("tau", "nan")), float(rec["loss"]))
+    logged = {int(r["step"]): (float(r.get("tau", "nan")), float(r["loss"]))
+              for r in read_metrics(os.path.join(run, "train", "metrics.jsonl")) if "loss" in r}
     cfg = load_config(config)
     exports = []
     for ckpt in list_checkpoints(os.path.join(run, "train")):
@@ -156,10 +144,7 @@ def train_through_services(args: argparse.Namespace, target_dir: str, data_path:
 
 
 def fp8_fidelity(args: argparse.Namespace, command: str, target_dir: str, samples: list[dict[str, Any]]) -> int:
-    """Issue 39's FP8 check (`tt.fp8_fidelity_along_training`): a drafter trained on the first
-    --fidelity-rows rows until its predictions are sharp; at the start, middle and end, every
-    parameter's gradient cosine of fp8-emulated to fp32 and to bf16, and the loss difference ->
-    bench/out/fp8_fidelity.json and a table. Exits 1 if a point misses the gate."""
+    """Issue 39's FP8 check, --fidelity (the module docstring says what it measures); 1 if a point misses the gate."""
     t0 = time.monotonic()
     recipe = tt.DrafterRecipe(num_layers=args.drafter_layers, block_size=args.block_size, lr=args.lr,
                               max_anchors=args.anchors)

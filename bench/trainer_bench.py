@@ -52,6 +52,23 @@ from drafter_trainer.step import Ranks, StepSettings, train_step  # noqa: E402
 from drafter_trainer.model import DFlashConfig, DFlashDraftModel  # noqa: E402
 
 
+def add_shape_args(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """The drafter shape's flags (--hidden, --layers, --heads, --kv-heads, --head-dim, --intermediate,
+    --vocab, as given), then --capture-layers 5."""
+    for name, default in {**defaults, "capture_layers": 5}.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def drafter_config(args: argparse.Namespace, block_size: int, **extra: object) -> DFlashConfig:
+    """The drafter of add_shape_args' flags, capturing layers 1, 3, 5, ... of a target one layer deeper."""
+    return DFlashConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        vocab_size=args.vocab, rms_norm_eps=1e-6, rope_theta=1e6, block_size=block_size,
+        target_layer_ids=list(range(1, 2 * args.capture_layers, 2)), mask_token_id=args.vocab - 1,
+        num_target_layers=2 * args.capture_layers + 1, **extra)
+
+
 def synthetic_batch(tokens: int, docs: int, k: int, hidden: int, vocab: int, seed: int,
                     device: torch.device, dtype: torch.dtype) -> PackedBatch:
     g = torch.Generator().manual_seed(seed)
@@ -217,14 +234,7 @@ def run_variant(args: argparse.Namespace, cfg: DFlashConfig, batch: PackedBatch,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--capture-layers", type=int, default=5)
+    add_shape_args(p, hidden=128, layers=5, heads=4, kv_heads=2, head_dim=32, intermediate=384, vocab=8192)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--docs", type=int, default=3)
     p.add_argument("--anchors", type=int, default=128)
@@ -253,16 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.attn == "flex" and device.type != "cuda":
         p.error("--attn flex needs CUDA (flex_attention has no CPU backward)")
     peak_tflops = args.peak_tflops or (989.0 if device.type == "cuda" else None)
-    layer_types = ["full_attention"] * args.layers
-    if args.sliding_window:
-        layer_types = ["sliding_attention"] * (args.layers - 1) + ["full_attention"]
-    cfg = DFlashConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        vocab_size=args.vocab, rms_norm_eps=1e-6, rope_theta=1e6, block_size=args.block,
-        target_layer_ids=list(range(1, 2 * args.capture_layers, 2)), mask_token_id=args.vocab - 1,
-        layer_types=layer_types, sliding_window=args.sliding_window or None,
-        num_target_layers=2 * args.capture_layers + 1)
+    layer_types = (["sliding_attention"] * (args.layers - 1) + ["full_attention"] if args.sliding_window
+                   else ["full_attention"] * args.layers)
+    cfg = drafter_config(args, args.block, layer_types=layer_types, sliding_window=args.sliding_window or None)
     if not args.child:
         # One process per (N, variant): each starts from an empty allocator, so no variant's peak
         # memory depends on what an earlier one left cached or fragmented.

@@ -106,12 +106,8 @@ def main() -> int:
         raise SystemExit("attn_kernels needs CUDA")
     dev = torch.device("cuda")
     rows: list[dict[str, Any]] = []
-    for shape in DENSE:
-        rows.append(dense(*shape, dev))
-        print(json.dumps(rows[-1]), flush=True)
-        torch.cuda.empty_cache()
-    for shape in VARLEN:
-        rows.append(varlen(*shape, dev))
+    for measure, shape in [(dense, s) for s in DENSE] + [(varlen, s) for s in VARLEN]:
+        rows.append(measure(*shape, dev))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     out = os.environ.get("OUT")

@@ -37,10 +37,9 @@ def chunk_layouts(manifest: dict[str, Any], device: torch.device, batches: int, 
     from drafter_trainer.blocks import AttentionLayout
 
     rig = DrafterRig(manifest, device, 1, block, anchors, 0, seed, attn="flex", compile_mode="off")
-    out = []
-    for _batch, blocks in rig.dataset_work(list(range(batches)), lazy_hidden=True):
-        for chunk, _first, _end in blocks.chunks(blocks_per_chunk):
-            out.append(AttentionLayout.from_blocks(chunk, segment_rows))
+    out = [AttentionLayout.from_blocks(chunk, segment_rows)
+           for _batch, blocks in rig.dataset_work(list(range(batches)), lazy_hidden=True)
+           for chunk, _first, _end in blocks.chunks(blocks_per_chunk)]
     config = rig.config
     del rig
     if device.type == "cuda":
@@ -198,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     # 4 q_dim per visible key forward, twice that backward
     from bench.trainer_bench import visible_keys
     fwd_tflop = 4.0 * config.num_attention_heads * config.head_dim * sum(visible_keys(x.blocks, None) for x in layouts) / 1e12
-    names = [n for n in a.variants.split(",") if n]
     # the split path first: the others are checked against its output
-    names = sorted(names, key=lambda n: n != "split")
+    names = sorted((n for n in a.variants.split(",") if n), key=lambda n: n != "split")
     results: dict[str, Any] = {}
     reference = None
     for name, attend in make_variants(names, layouts, a.block):

@@ -21,9 +21,11 @@ class DrafterRig:
                  loss_chunk: int, seed: int, attn: str = "auto", compile_mode: str = "auto",
                  blocks_per_chunk: int = 0, precision: str = "") -> None:
         """`precision`: drafter.precision ("": the trainer's default), resolved on `device`."""
-        from common.config import DrafterConfig, default_gamma
+        from common.config import DrafterConfig, TrainConfig, default_gamma
         from drafter_trainer.fp8 import resolve_precision
         from drafter_trainer.model import DFlashConfig, DFlashDraftModel
+        from drafter_trainer.optim import build_adamw
+        from drafter_trainer.step import Ranks, StepSettings
 
         self.manifest, self.device, self.block, self.anchors = manifest, device, block, anchors
         self.loss_chunk, self.seed = loss_chunk, seed
@@ -40,29 +42,19 @@ class DrafterRig:
             self.model = DFlashDraftModel(self.config, attn_impl=attn,
                                           precision=resolve_precision(precision or DrafterConfig().precision, device))
         self.model.compile_for(device, compile_mode)      # as drafter_trainer.startup.build_drafter does
-        head_dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32   # also the head's and the compute dtype
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        cfg = self.config
-        self.model.set_target_head(
-            torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype, generator=self.generator)
-            * 0.02,
-            torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype, generator=self.generator)
-            * 0.02)
+        self.model.set_target_head(*(torch.randn(self.config.vocab_size, self.config.hidden_size, device=device,
+                                                 dtype=self.hidden_dtype, generator=self.generator) * 0.02
+                                     for _ in range(2)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        from common.config import TrainConfig
-        from drafter_trainer.optim import build_adamw
-
         train_cfg = TrainConfig()
         self.lr = train_cfg.lr
         self.optimizer = build_adamw(self.params, train_cfg, device)   # the trainer's: torch's AdamW, fused on CUDA
         self.gamma = default_gamma(block)
-        from drafter_trainer.step import Ranks, StepSettings
-
         self.settings = StepSettings(loss_chunk=loss_chunk, blocks_per_chunk=blocks_per_chunk,
-                                     grad_clip=train_cfg.grad_clip,
-                                     compute_dtype=torch.bfloat16 if self.cuda else torch.float32)
+                                     grad_clip=train_cfg.grad_clip, compute_dtype=self.hidden_dtype)
         self.one_rank = Ranks(str(device))
-        self.hidden_dtype = torch.bfloat16 if self.cuda else torch.float32
 
     def blocks_for(self, batch: Any, seq: int) -> Any:
         from drafter_trainer.blocks import anchor_seed, build_blocks, sample_anchors

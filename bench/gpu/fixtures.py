@@ -5,8 +5,7 @@ Work folder (default /tmp/dfpipe-gpu-bench), built once by the `env` part and re
 
     manifest.json        the shape, capture ids, token budget and paths below (parts read it; a
                          changed shape rebuilds)
-    target/              Qwen3_5TextConfig of the real Qwen3.5-27B widths (hidden 5120, 24 q / 4 kv
-                         heads x 256, GDN 16 k / 48 v heads x 128, MLP 17408, vocab 248320), random
+    target/              Qwen3_5TextConfig of the real Qwen3.5-27B widths (gpu_bench.py's FULL), random
                          weights, bf16 safetensors, only `layers` decoder layers (3 GDN : 1 attention)
     data/                a dfpipe prepared folder (input_ids, loss_mask, offsets, sample_ids .npy):
                          lognormal lengths clipped to [2, max_len], first 20% of each document
@@ -68,9 +67,6 @@ class TargetShape:
             linear_key_head_dim=self.linear_k_dim, linear_value_head_dim=self.linear_v_dim,
             linear_num_key_heads=self.linear_k_heads, linear_num_value_heads=self.linear_v_heads)
 
-    def hidden_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return len(self.capture_ids) * self.hidden * dtype.itemsize
-
 
 def build_target(out_dir: str, shape: TargetShape, device: torch.device, seed: int = 0) -> float:
     """Write a randomly initialised `shape` causal LM (with lm_head) to `out_dir`; seconds taken.
@@ -122,13 +118,8 @@ def write_dataset(out_dir: str, lengths: np.ndarray, vocab: int, mask_token_id: 
     return total
 
 
-# -- manifest -------------------------------------------------------------------------------------
-def manifest_path(workdir: str) -> str:
-    return os.path.join(workdir, MANIFEST)
-
-
 def read_manifest(workdir: str) -> dict[str, Any]:
-    path = manifest_path(workdir)
+    path = os.path.join(workdir, MANIFEST)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: run the env part first (gpu_bench.py env)")
     with open(path, encoding="utf-8") as f:
@@ -136,10 +127,10 @@ def read_manifest(workdir: str) -> dict[str, Any]:
 
 
 def write_manifest(workdir: str, manifest: dict[str, Any]) -> None:
-    tmp = manifest_path(workdir) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    path = os.path.join(workdir, MANIFEST)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, manifest_path(workdir))
+    os.replace(path + ".tmp", path)
 
 
 def shape_of(manifest: dict[str, Any]) -> TargetShape:
@@ -154,7 +145,6 @@ def shape_dict(shape: TargetShape) -> dict[str, Any]:
     return d
 
 
-# -- target and batches ---------------------------------------------------------------------------
 class LinearBackendError(RuntimeError):
     """On CUDA the target fell back to the torch Gated DeltaNet path: FLA is not importable."""
 
@@ -180,12 +170,10 @@ def batch_tensors(arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Te
 
 def packed_batch(arrays: dict[str, np.ndarray], hidden: torch.Tensor, seq: int, device: torch.device) -> PackedBatch:
     """A trainer-side batch: the dataset's tokens of batch `seq` with the given captured planes."""
-    tokens = {k: torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in
-              TOKEN_TENSORS}
+    tokens = {k: torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in TOKEN_TENSORS}
     return PackedBatch(hidden=hidden, **tokens, seq=seq, epoch=0).to(device)
 
 
-# -- timing ---------------------------------------------------------------------------------------
 class RegionTimer:
     """Seconds of device work between start() and stop().
 
@@ -195,23 +183,20 @@ class RegionTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._t0 = self._t1 = 0.0
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> "RegionTimer":
+        self._t0 = time.perf_counter()
         if self.cuda:
             self._start.record()
-        else:
-            self._t0 = time.perf_counter()
         return self
 
     def stop(self) -> "RegionTimer":
         if self.cuda:
             self._end.record()
-        else:
-            self._t1 = time.perf_counter()
+        self._t1 = time.perf_counter()
         return self
 
     def seconds(self) -> float:
@@ -219,6 +204,16 @@ class RegionTimer:
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1e3
         return self._t1 - self._t0
+
+
+def capture_tok_s(runner: Any, batches: list[tuple[torch.Tensor, ...]], device: torch.device, warmup: int = 0) -> float:
+    """Real tokens/s of `runner.capture` over `batches`, the first `warmup` of them untimed."""
+    for b in batches[:warmup]:
+        runner.capture(*b)
+    timer = RegionTimer(device).start()
+    for b in batches[warmup:]:
+        runner.capture(*b)
+    return sum(int(b[0].numel()) for b in batches[warmup:]) / timer.stop().seconds()
 
 
 def synchronize(device: torch.device) -> None:
@@ -304,4 +299,3 @@ def layer_and_rest_bytes(target_dir: str) -> tuple[int, int, int]:
             else:
                 rest += end - start
     return layer_bytes, rest, len(layers)
-

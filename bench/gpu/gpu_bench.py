@@ -78,7 +78,7 @@ FULL: dict[str, Any] = dict(
 QUICK: dict[str, Any] = dict(
     FULL, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, linear_k_heads=2, linear_v_heads=4,
     linear_k_dim=32, linear_v_dim=32, vocab=2048, mask_token_id=2040, token_budget=512, max_len=256,
-    median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p2_repeats=2, p3_docs=24,
+    median=48.0, dataset_docs=400, copy_batches=24, copy_budget=256, p1_iters=8, p2_batches=6, p2_warmup=2, p3_docs=24,
     p5_tokens=256, p5_anchors=16, anchors=32, p5d_batches=2, p5d_chunks="0,8", p5d_steps=2, loss_chunk=256, p5_steps=3, p5_warmup=1, p5_attn="split,sdpa", p6_seconds=6.0, p6_skip_steps=2,
     matmul_n=512, step_timeout=240.0, scale_batches=4, firstpass_batches=2,
     drafter_layers=2,   # two layers keep the layer-to-layer path; each more one only costs CI's CPU time
@@ -126,16 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    sizes = QUICK if args.quick else FULL
-    for name, value in sizes.items():
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():   # the sizes no flag set
         if getattr(args, name) is None:
             setattr(args, name, value)
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = resolve(build_parser().parse_args(argv))
     if args.part == "p1-consumer":
         from bench.gpu.transport import consumer_main
         consumer_main(args.ring_path, args.consumer_device, args.nbytes, args.cuda_register)

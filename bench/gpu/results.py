@@ -101,23 +101,16 @@ class ResultStore:
             os.replace(tmp, self.path)
             return data
 
-    # -- parts ------------------------------------------------------------------------------------
     def part(self, name: str, status: str, **fields: Any) -> None:
         if status not in STATUSES:
             raise ValueError(f"part status {status!r} not in {STATUSES}")
-
-        def change(d: dict[str, Any]) -> None:
-            entry = d["parts"].setdefault(name, {})
-            entry.update(fields, status=status)
-        self.update(change)
+        self.update(lambda d: d["parts"].setdefault(name, {}).update(fields, status=status))
 
     def figures(self, part: str, **figures: Any) -> None:
         """Add figures to a part as they are measured (a later timeout keeps them)."""
-        def change(d: dict[str, Any]) -> None:
-            d["parts"].setdefault(part, {"status": "running"}).setdefault("figures", {}).update(figures)
-        self.update(change)
+        self.update(lambda d: d["parts"].setdefault(part, {"status": "running"}).setdefault("figures", {})
+                    .update(figures))
 
-    # -- benchmarks -------------------------------------------------------------------------------
     def benchmark(self, key: str, values: dict[str, float | None], numbers: dict[str, Any],
                   error: str | None = None) -> dict[str, Any]:
         """Record benchmark `key` (P1..P8): its check values, the numbers behind them, pass/fail."""
@@ -130,10 +123,7 @@ class ResultStore:
         entry = {"part": PART_OF[key], "ratio": checks[0]["value"],
                  "goal": f"{checks[0]['op']} {checks[0]['goal']}", "checks": checks, "numbers": numbers,
                  "pass": None if error or None in verdicts else all(verdicts), "error": error}
-
-        def change(d: dict[str, Any]) -> None:
-            d["benchmarks"][key] = entry
-        self.update(change)
+        self.update(lambda d: d["benchmarks"].update({key: entry}))
         return entry
 
     def benchmark_error(self, key: str, error: str, numbers: dict[str, Any] | None = None) -> None:

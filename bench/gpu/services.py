@@ -24,6 +24,8 @@ that run_all.sh's cleanup reads.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +41,7 @@ from typing import Any
 import yaml
 
 from common.config import load_config
+from dfpipe.ctl import try_status
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIDFILE = "service-pids.txt"
@@ -48,38 +51,30 @@ PIDFILE = "service-pids.txt"
 class ServicePlan:
     workdir: str
     manifest: dict[str, Any]
+    args: argparse.Namespace     # gpu_bench.py's flags: the drafter's sizes, ring_slots, p6_seconds, step_timeout, ...
     device: str                  # "cuda:0" or "cpu"
     ring_name: str
     shm_dir: str
-    slots: int
-    anchors: int
-    block: int
-    drafter_layers: int
-    loss_chunk: int
-    audit_every: int
-    p6_seconds: float
-    p6_skip_steps: int
     cold_triton: str             # "fresh": empty TRITON_CACHE_DIR for the cold start; "shared": the run's
-    step_timeout_s: float
     attn: str = "auto"           # drafter.attn (P5's fastest path)
     blocks_per_chunk: int = 0    # drafter.blocks_per_chunk (0: auto); part_services sizes it to the card
     target_devices: list[str] | None = None    # placement; None: [device]
     trainer_devices: list[str] | None = None   # one rank per entry (torchrun when more than one)
 
 
-def write_config(plan: ServicePlan) -> str:
+def write_config(plan: ServicePlan) -> tuple[str, Any]:
     m = plan.manifest
     cuda = plan.device.startswith("cuda")
     cfg = {
-        "ring": {"name": plan.ring_name, "shm_dir": plan.shm_dir, "slots": plan.slots,
+        "ring": {"name": plan.ring_name, "shm_dir": plan.shm_dir, "slots": plan.args.ring_slots,
                  "cuda_register": "require" if cuda else "off"},
         "data": {"train_path": m["data_dir"], "token_budget": m["token_budget"], "max_len": m["max_len"], "seed": 0},
         "target": {"model": m["target_dir"], "cache_dir": os.path.join(plan.workdir, "cache"),
                    "layer_ids": list(m["shape"]["capture_ids"]), "devices": plan.target_devices or [plan.device],
-                   "warmup": True, "audit_every": plan.audit_every},
-        "drafter": {"num_layers": plan.drafter_layers, "block_size": plan.block,
-                    "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.anchors,
-                    "loss_chunk": plan.loss_chunk, "attn": plan.attn, "blocks_per_chunk": plan.blocks_per_chunk},
+                   "warmup": True, "audit_every": plan.args.audit_every},
+        "drafter": {"num_layers": plan.args.drafter_layers, "block_size": plan.args.block,
+                    "mask_token_id": m["shape"]["mask_token_id"], "max_anchors": plan.args.anchors,
+                    "loss_chunk": plan.args.loss_chunk, "attn": plan.attn, "blocks_per_chunk": plan.blocks_per_chunk},
         # no periodic checkpoint (a 27B-wide drafter's state is ~20 GB), one metrics record per step
         "train": {"out_dir": os.path.join(plan.workdir, "run-unused"), "epochs": 3, "checkpoint_every": 10 ** 9,
                   "log_every": 1, "tensorboard": False, "device": plan.device,
@@ -90,8 +85,8 @@ def write_config(plan: ServicePlan) -> str:
     path = os.path.join(plan.workdir, "services.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
-    load_config(path)  # the services would refuse it anyway; fail here with the config's own message
-    return path
+    # the services would refuse a bad one anyway; fail here with the config's own message
+    return path, load_config(path)
 
 
 def descendants(pid: int) -> list[int]:
@@ -137,14 +132,10 @@ class Children:
             # torchrun starts every rank in a session of its own: kill the ranks by ancestry
             # (first, so none is re-parented before it is found), then the launcher's session.
             for pid in descendants(proc.pid):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return proc.wait()
 
     def stop(self, name: str, timeout: float = 30.0) -> int | None:
@@ -181,10 +172,8 @@ class Children:
                 self.kill(name)   # never SIGTERM a trainer here: it would write a final checkpoint
         for name in list(self.procs):
             self.stop(name)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.pidfile)
-        except FileNotFoundError:
-            pass
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -217,19 +206,6 @@ def wait_metrics(children: Children, name: str, path: str, enough: Callable[[lis
         time.sleep(0.2)
 
 
-def step_tokens(row: dict[str, Any]) -> float:
-    return float(row["step_tokens"])
-
-
-def together_rate(rows: list[dict[str, Any]], skip: int) -> tuple[float, float, int]:
-    """(tokens/s, seconds, steps) over the records after the first `skip`, by their wall-clock stamps."""
-    window = rows[skip:]
-    if len(window) < 2:
-        raise ValueError(f"need at least {skip + 2} metrics records, got {len(rows)}")
-    seconds = window[-1]["time"] - window[0]["time"]
-    return sum(step_tokens(r) for r in window[1:]) / seconds, seconds, len(window) - 1
-
-
 class ProductionSampler(threading.Thread):
     """The target's produced-token counter over time (status polls). A window's end-to-end rate is
     the lesser of what the trainer trained and what the target produced in it: at the window's
@@ -244,8 +220,6 @@ class ProductionSampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        from dfpipe.ctl import try_status
-
         while not self._halt.is_set():
             status = try_status(self.endpoint, timeout_s=2.0)
             if status and "tokens" in status:
@@ -267,24 +241,24 @@ class ProductionSampler(threading.Thread):
 
 
 def end_to_end(rows: list[dict[str, Any]], skip: int, sampler: ProductionSampler) -> dict[str, Any]:
-    """Trained and produced rates over the window after `skip` steps; together = the lesser."""
-    trained, seconds, steps = together_rate(rows, skip)
-    produced = sampler.rate(rows[skip]["time"], rows[-1]["time"])
-    window = rows[skip + 1:]
+    """Trained and produced rates over the window after `skip` steps, between the records'
+    wall-clock stamps; together = the lesser."""
+    if len(rows) < skip + 2:
+        raise ValueError(f"need at least {skip + 2} metrics records, got {len(rows)}")
+    window, seconds = rows[skip + 1:], rows[-1]["time"] - rows[skip]["time"]
+    tokens = sum(float(r["step_tokens"]) for r in window)
+    trained, produced = tokens / seconds, sampler.rate(rows[skip]["time"], rows[-1]["time"])
     return {"together_tok_s": min(trained, produced) if produced else trained, "trained_tok_s": trained,
-            "produced_tok_s": produced, "together_seconds": seconds, "together_steps": steps,
-            "together_mean_step_s": sum(r["step_s"] for r in window) / steps,
+            "produced_tok_s": produced, "together_seconds": seconds, "together_steps": len(window),
+            "together_mean_step_s": sum(r["step_s"] for r in window) / len(window),
             # what the window's own batches hold: the ideal is priced per batch (see part_services)
-            "together_tokens": sum(step_tokens(r) for r in window),
-            "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
+            "together_tokens": tokens, "together_anchors": sum(int(r.get("anchors", 0)) for r in window)}
 
 
 def wait_compiled(children: Children, name: str, endpoint: str, timeout_s: float) -> tuple[dict[str, Any], float]:
     """The trainer's status `compile` once its background compile is over (or there is none), and
     the wall-clock time it was first seen so (0.2 s polls). Still compiling at the timeout: the
     last state with `timed_out_s` added (the caller measures on eager steps and says so)."""
-    from dfpipe.ctl import try_status
-
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {}
     while True:
@@ -326,11 +300,8 @@ def window_done(skip: int, seconds: float) -> Callable[[list[dict[str, Any]]], b
 def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
     """Both services placed on plan.target_devices / plan.trainer_devices (issue 8): the target
     warms up alone, then the trainer (torchrun ranks over NCCL when several) trains for
-    plan.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
-    from dfpipe.ctl import try_status
-
-    cfg_path = write_config(plan)
-    cfg = load_config(cfg_path)
+    plan.args.p6_seconds; end-to-end tokens/s from its metrics, as P6 measures it."""
+    cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO])),
            "NCCL_NVLS_ENABLE": "0"}
@@ -352,9 +323,9 @@ def run_placement(plan: ServicePlan, name: str, budget_s: float, figures: dict[s
         sampler.start()
         children.spawn("trainer", ["trainer", "-c", cfg_path, "--set", f"train.out_dir={run_dir}"], env, ranks=ranks)
         rows = wait_metrics(children, "trainer", os.path.join(run_dir, "metrics.jsonl"),
-                            window_done(plan.p6_skip_steps, plan.p6_seconds),
+                            window_done(plan.args.p6_skip_steps, plan.args.p6_seconds),
                             max(1.0, deadline - time.monotonic()), also_alive=("target",))
-        figures.update(end_to_end(rows, plan.p6_skip_steps, sampler))
+        figures.update(end_to_end(rows, plan.args.p6_skip_steps, sampler))
         status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
         figures["target_stages"] = status.get("stages", {})
         print(f"placement {name}: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, "
@@ -372,10 +343,7 @@ WARM_COMPILED_NEEDS_S = 100.0
 def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) -> dict[str, Any]:
     """Cold start, together, warm restart (see the module docstring), filling `figures` as it goes
     so that the caller keeps what was measured when a later step fails."""
-    from dfpipe.ctl import try_status
-
-    cfg_path = write_config(plan)
-    cfg = load_config(cfg_path)
+    cfg_path, cfg = write_config(plan)
     children = Children(plan.workdir)
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), REPO]))}
     if not plan.device.startswith("cuda"):
@@ -411,17 +379,17 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         children.spawn("trainer-cold", trainer_args("run-cold"), trainer_env)
         cold_metrics = os.path.join(plan.workdir, "run-cold", "metrics.jsonl")
         rows = wait_metrics(children, "trainer-cold", cold_metrics, lambda r: True,
-                            min(plan.step_timeout_s, left()), also_alive=("target",))
+                            min(plan.args.step_timeout, left()), also_alive=("target",))
         figures["cold_first_step_s"] = rows[0]["time"] - t0
         print(f"cold start: first optimizer step {figures['cold_first_step_s']:.1f}s after both started", flush=True)
 
         # P6 on compiled steps only: the trainer steps eagerly until its background compile is ready
-        cold_compile, _ = wait_compiled(children, "trainer-cold", endpoint, min(plan.step_timeout_s, left() / 3))
+        cold_compile, _ = wait_compiled(children, "trainer-cold", endpoint, min(plan.args.step_timeout, left() / 3))
         figures["cold_compile"] = cold_compile
-        skip = (steps_after(cold_compile, plan.p6_skip_steps) if "timed_out_s" not in cold_compile
-                else len(read_metrics(cold_metrics)) + plan.p6_skip_steps)   # eager steps: figures say so
-        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.p6_seconds),
-                            min(plan.p6_seconds * 4 + 60, left()), also_alive=("target",))
+        skip = (steps_after(cold_compile, plan.args.p6_skip_steps) if "timed_out_s" not in cold_compile
+                else len(read_metrics(cold_metrics)) + plan.args.p6_skip_steps)   # eager steps: figures say so
+        rows = wait_metrics(children, "trainer-cold", cold_metrics, window_done(skip, plan.args.p6_seconds),
+                            min(plan.args.p6_seconds * 4 + 60, left()), also_alive=("target",))
         figures.update(end_to_end(rows, skip, sampler))
         sampler.stop()
         print(f"together: {figures['together_tok_s']:,.0f} tok/s (trained {figures['trained_tok_s']:,.0f}, produced "
@@ -429,21 +397,19 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         target_status = try_status(cfg.service.target_endpoint, timeout_s=5.0) or {}
         trainer_status = try_status(cfg.service.trainer_endpoint, timeout_s=5.0) or {}
         stages = target_status.get("stages", {})
-        figures["target_stages"] = stages
-        figures["trainer_stages"] = trainer_status.get("stages", {})
-        figures["target_load_s"] = stages.get("load", {}).get("seconds")
-        figures["target_warmup_s"] = stages.get("warmup", {}).get("seconds")
-        figures["target_batches_produced"] = target_status.get("batches", {}).get("produced")
+        figures.update(target_stages=stages, trainer_stages=trainer_status.get("stages", {}),
+                       target_load_s=stages.get("load", {}).get("seconds"),
+                       target_warmup_s=stages.get("warmup", {}).get("seconds"),
+                       target_batches_produced=target_status.get("batches", {}).get("produced"))
 
-        cold_step_s = median_step_s(rows, skip)
-        figures["cold_compiled_median_step_s"] = cold_step_s
+        figures["cold_compiled_median_step_s"] = cold_step_s = median_step_s(rows, skip)
         children.kill("trainer-cold")
         # a trainer restart against the warm target
         name, run = "trainer-warm", "run-warm"
         metrics = os.path.join(plan.workdir, run, "metrics.jsonl")
         t1 = time.time()
         children.spawn(name, trainer_args(run), trainer_env)
-        rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.step_timeout_s, left()),
+        rows = wait_metrics(children, name, metrics, lambda r: True, min(plan.args.step_timeout, left()),
                             also_alive=("target",))
         first = rows[0]["time"] - t1
         warm = {"first_step_s": first, "over_cold_first_step": first / figures["cold_first_step_s"],
@@ -463,7 +429,6 @@ def run_services(plan: ServicePlan, budget_s: float, figures: dict[str, Any]) ->
         warm["compiled_median_step_s"] = median_step_s(rows, skip)
         warm["compiled_step_over_cold"] = warm["compiled_median_step_s"] / cold_step_s
         warm["eager_steps"] = int(state.get("at_step") or 0)
-        figures["warm"] = warm
         children.kill(name)
         print(f"warm restart: compiled after {warm['compiled_after_s'] or float('nan'):.1f}s; compiled "
               f"steps {warm['compiled_median_step_s']:.3f}s vs {cold_step_s:.3f}s cold", flush=True)

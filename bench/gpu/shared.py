@@ -4,11 +4,17 @@ a host's splits between target and trainer GPUs, the target's forward FLOPs a to
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
 import json
 import os
-from dataclasses import dataclass
+import time
+import traceback
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.gpu import fixtures
@@ -24,7 +30,7 @@ class SkipPart(Exception):
     """The part cannot run here (no CUDA, missing fixtures of a skipped part); the message says why."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Ctx:
     args: argparse.Namespace
     store: ResultStore
@@ -44,6 +50,31 @@ class Ctx:
     def cuda_register(self) -> str:
         return "require" if self.cuda else "off"
 
+    def part_figures(self, part: str) -> dict[str, Any]:
+        """The figures an earlier part of this run recorded ({} if none)."""
+        return self.store.read()["parts"].get(part, {}).get("figures", {})
+
+    def drafter_attn(self) -> str:
+        """--drafter-attn, else P5's fastest path in this run, else auto."""
+        return self.args.drafter_attn or self.part_figures("p5").get("best_attn") or "auto"
+
+    def free_memory(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def recorded(self, key: str, numbers: dict[str, Any], failed: list[str] | None = None) -> Iterator[None]:
+        """Benchmark `key` measured inside: an error is printed, recorded with `numbers` as far as
+        they got, added to `failed`, and the part goes on."""
+        try:
+            yield
+        except Exception as e:
+            traceback.print_exc()
+            if failed is not None:
+                failed.append(key)
+            self.store.benchmark_error(key, f"{type(e).__name__}: {e}", numbers)
+
 
 def target_shape(a: argparse.Namespace) -> fixtures.TargetShape:
     ids = tuple(int(x) for x in a.capture_ids.split(","))
@@ -51,10 +82,8 @@ def target_shape(a: argparse.Namespace) -> fixtures.TargetShape:
         raise SystemExit(f"--capture-ids {a.capture_ids}: strictly increasing ids inside the {a.layers} layers")
     if not 0 <= a.mask_token_id < a.vocab:
         raise SystemExit(f"--mask-token-id {a.mask_token_id} outside the vocabulary of {a.vocab}")
-    return fixtures.TargetShape(hidden=a.hidden, layers=a.layers, capture_ids=ids, heads=a.heads, kv_heads=a.kv_heads,
-                                head_dim=a.head_dim, intermediate=a.intermediate, linear_k_heads=a.linear_k_heads,
-                                linear_v_heads=a.linear_v_heads, linear_k_dim=a.linear_k_dim,
-                                linear_v_dim=a.linear_v_dim, vocab=a.vocab, mask_token_id=a.mask_token_id)
+    flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(fixtures.TargetShape)}   # the flags of its fields
+    return fixtures.TargetShape(**{**flags, "capture_ids": ids})
 
 
 def host_splits(target: float, drafter: float, gpus: int) -> list[dict[str, Any]]:
@@ -110,22 +139,19 @@ class P2Rig:
         self.batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
         self.tokens = sum(int(b[0].numel()) for b in self.batches[warmup:])
 
-    def bare_tok_s(self) -> float:
-        for b in self.batches[: self.warmup]:
-            self.runner.capture(*b)
-        timer = fixtures.RegionTimer(self.ctx.device).start()
-        for b in self.batches[self.warmup:]:
-            self.runner.capture(*b)
-        return self.tokens / timer.stop().seconds()
+    def bare_tok_s(self, runner: Any = None) -> float:
+        """The bare loop's rate, of `runner` when given (the same batches on another target)."""
+        return fixtures.capture_tok_s(self.runner if runner is None else runner, self.batches, self.ctx.device,
+                                      self.warmup)
 
     def worker_run(self, **kwargs: Any) -> Any:
-        """One TargetWorker run over the seqs (run_worker's keyword arguments: a patch, a polling consumer)."""
-        from bench.gpu.worker_harness import run_worker, worker_config
+        """One TargetWorker run over the seqs (run_workers' keyword arguments: a patch, a polling consumer)."""
+        from bench.gpu.worker_harness import run_workers, worker_config
 
         a = self.ctx.args
         cfg = worker_config(self.packer.token_budget, self.max_len, self.ctx.ring_name(self.ring), self.ctx.shm_dir,
                             a.ring_slots, self.ctx.cuda_register(), a.audit_every)
-        return run_worker(self.runner, cfg, self.dataset, self.packer, self.seqs, **kwargs)
+        return run_workers([self.runner], cfg, self.dataset, self.packer, self.seqs, **kwargs)
 
     def turns(self, repeats: int) -> dict[str, Any]:
         """`repeats` turns of the bare loop then the worker; the ratio is the mean of the turns' ratios."""
@@ -138,6 +164,26 @@ class P2Rig:
                 "bare_runs_tok_s": bare, "worker_runs_tok_s": worker,
                 "ratio_runs": [w / b for w, b in zip(worker, bare)], "worker_stages": run.stages,
                 "quarantined": len(run.quarantined)}
+
+
+def step_figures(rig: Any, work: list[tuple[Any, Any]], times: list[float], chunk: int, peak: float,
+                 t0: float) -> dict[str, Any]:
+    """The drafter steps `times` (rig.timed over `work`, started at perf_counter `t0`): step time,
+    tok/s, anchors/s, MFU from the counted FLOPs (model and executed) at `chunk` blocks a chunk."""
+    from bench.trainer_bench import step_flops
+
+    steps = [work[i % len(work)] for i in range(len(times))]
+    flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, chunk) for b, bl in steps]
+    total_s, tokens = sum(times), sum(b.num_tokens for b, _ in steps)
+    return {"step_s": float(np.median(times)), "step_s_all": times,
+            "anchors_s": sum(bl.num_blocks for _, bl in steps) / total_s,
+            "first_steps_s": time.perf_counter() - t0 - total_s, "tok_s": tokens / total_s,
+            "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
+            "mfu": sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
+            "executed_mfu": sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
+            "gflop_per_token": sum(f["model_total"] for f in flops) / tokens / 1e9,
+            "flops_share": {k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
+                            for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")}}
 
 
 def read_json(path: str) -> dict[str, Any]:

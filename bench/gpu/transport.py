@@ -225,21 +225,11 @@ def run_transport(shape_k: int, tokens: int, hidden: int, device: torch.device, 
         figures["ring_over_transport_ceiling"] = figures["ring_gbps"] / bound
         return figures
     finally:
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-        except OSError:
-            pass
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
         ring.close()
-
-
-def consumer_device_for(device: torch.device) -> str:
-    """The 'trainer GPU': a second GPU when there is one (the production layout), else the same one."""
-    if device.type != "cuda":
-        return "cpu"
-    return f"cuda:{1 if torch.cuda.device_count() > 1 else 0}"
-

@@ -56,25 +56,15 @@ def worker_config(token_budget: int, max_len: int, ring_name: str, shm_dir: str,
     return validate(cfg)
 
 
-def run_worker(runner: Any, cfg: Config, dataset: Any, packer: Any, seqs: list[int],
-               on_slot: Callable[[SlotView], None] | None = None,
-               patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
-               poll_interval_s: float | None = None) -> WorkerRun:
-    """Serve `seqs` through one TargetWorker (see run_workers)."""
-    return run_workers([runner], cfg, dataset, packer, seqs, on_slot, patch, timeout_s, poll_interval_s)
-
-
 def run_workers(runners: list[Any], cfg: Config, dataset: Any, packer: Any, seqs: list[int],
                 on_slot: Callable[[SlotView], None] | None = None,
                 patch: Callable[[TargetWorker], None] | None = None, timeout_s: float = 300.0,
                 poll_interval_s: float | None = None) -> WorkerRun:
     """Serve `seqs` through one TargetWorker per runner (one ring each, one shared dispatcher: the
-    server's shape); every published slot goes through on_slot, then is acked.
-
-    `patch` may alter each worker before it starts (a diagnostic variant). The consumer scans the
-    rings when a worker reports a publish, or every `poll_interval_s` when given. Raises a worker's own
-    error if one fails, TimeoutError if the seqs are not all published or quarantined in time.
-    """
+    server's shape); every published slot goes through on_slot, then is acked. `patch` may alter
+    each worker before it starts (a diagnostic variant); `poll_interval_s`: scan that often instead
+    of on each publish. Raises a worker's own error if one fails, TimeoutError if the seqs are not
+    all published or quarantined in time."""
     run = WorkerRun()
     dispatcher = Dispatcher()
     dispatcher.reset(list(seqs))

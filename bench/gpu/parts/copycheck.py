@@ -1,12 +1,15 @@
 """Part `copycheck`: --copy-batches batches through the real TargetWorker CUDA path (staging buffer ->
 copy stream -> registered slot -> event -> publish), every slot compared byte for byte with a plain
-forward + synchronous `.cpu()` of the same batch; and FLA packed == per-document (transformers'
-forward) on the 27B shape. Result: pass / FAIL."""
+forward + synchronous `.cpu()` of the same batch, computed first; and FLA packed == per-document
+(transformers' forward) on the 27B shape. Result: pass / FAIL.
+
+Should the forward itself not be bitwise reproducible (the worker runs it in another thread, with
+its own cuBLAS handle), a differing batch is still told apart from a copy fault: a stale, torn or
+zero row differs by O(1) of its norm, rounding by far less."""
 from __future__ import annotations
 
 import json
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -20,18 +23,10 @@ STALE_ROW_REL_ERR = 0.25   # a row off by this much of its norm is another batch
 
 
 def part_copycheck(ctx: Ctx) -> str:
-    """Async copy (the worker's CUDA path) == sync copy, bit for bit, over >= --copy-batches batches.
-
-    The reference of every batch is computed first: a plain forward, then a plain synchronous
-    `.cpu()`. Then the real TargetWorker serves the same seqs and each published slot is compared
-    byte for byte. Should the forward itself not be bitwise reproducible (the worker runs it in
-    another thread, with its own cuBLAS handle), a differing batch is still told apart from a
-    copy fault: a stale, torn or zero row differs by O(1) of its norm, rounding by far less.
-    """
     from common.batch import TOKEN_TENSORS
     from target_server.data import PreparedDataset
     from target_server.packer import Packer, build_packed
-    from bench.gpu.worker_harness import run_worker, worker_config
+    from bench.gpu.worker_harness import run_workers, worker_config
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
@@ -43,9 +38,7 @@ def part_copycheck(ctx: Ctx) -> str:
     seqs = list(range(min(a.copy_batches, packer.epoch_size(0))))
     figures: dict[str, Any] = {"batches": len(seqs), "token_budget": a.copy_budget, "device": str(ctx.device),
                                "linear_backend": runner.linear_backend}
-    t0 = time.perf_counter()
-    runner.warmup(a.copy_budget)
-    figures["first_forward_s"] = time.perf_counter() - t0
+    figures["first_forward_s"] = runner.warmup(a.copy_budget)
 
     refs: dict[int, tuple[torch.Tensor, dict[str, np.ndarray]]] = {}
     for seq in seqs:
@@ -75,7 +68,7 @@ def part_copycheck(ctx: Ctx) -> str:
 
     cfg = worker_config(a.copy_budget, manifest["max_len"], ctx.ring_name("copy"), ctx.shm_dir, 3,
                         ctx.cuda_register(), a.audit_every)
-    run = run_worker(runner, cfg, dataset, packer, seqs, on_slot=check)
+    run = run_workers([runner], cfg, dataset, packer, seqs, on_slot=check)
     refs.clear()  # ~16 GB of host memory at full size
     faults = [m for m in mismatches if m["bad_tokens"] or m["max_row_rel_err"] is None
               or m["max_row_rel_err"] > STALE_ROW_REL_ERR]

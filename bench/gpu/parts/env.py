@@ -4,6 +4,7 @@ Qwen3.5-27B-shaped target cut to --layers layers with random bf16 weights, and a
 --dataset-docs lognormal documents (fixtures.py). Result: fixtures, reused when the sizes match."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -64,14 +65,11 @@ def versions(device: torch.device) -> dict[str, Any]:
             out[mod] = getattr(importlib.import_module(mod), "__version__", "unknown")
         except Exception as e:  # a missing or broken package is a finding, not a crash
             out[mod] = f"missing ({type(e).__name__}: {e})"[:200]
-    try:
+    with contextlib.suppress(ImportError):
         import triton
         autotuning = getattr(getattr(triton, "knobs", None), "autotuning", None)
         out["triton_autotune_cache_knob"] = hasattr(autotuning, "cache")  # TRITON_CACHE_AUTOTUNING is read
-    except ImportError:
-        pass
-    for var in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "PYTHONPATH"):
-        out[var] = os.environ.get(var, "")
+    out.update({var: os.environ.get(var, "") for var in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "PYTHONPATH")})
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         out.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=round(p.total_memory / 1e9, 1),

@@ -1,6 +1,11 @@
-"""Part `fp8` (P8): first the block-FP8 GEMM micro-benchmark (fp8_gemm.py), then the proxy target as a
-block-wise FP8 checkpoint against the bf16 one in one process: bare loops and the FP8 TargetWorker
-in turns, and the captured planes' relative difference per layer. Result: ratios."""
+"""Part `fp8` (P8): the target as its makers' block-wise FP8 checkpoint against the bf16 one, in one
+process. First, on a GPU with FP8 matmuls, the GEMM micro-benchmark (fp8_gemm.py): each GEMM path
+against bf16 on the 27B target's projections, one JSON line each. Then the proxy's random weights
+quantized in memory as `dfpipe quantize-fp8` writes them, run as a load runs them
+(`target_server.fp8.to_block_fp8`: FP8 matmuls where the device has them, dequantized weights
+elsewhere, as in the CPU smoke run); on the same packed batches, in turns (bf16 bare loop, FP8 bare
+loop, FP8 TargetWorker): FP8 over bf16 tok/s (the headline), P2 of the FP8 target (its worker over
+its bare loop), and the relative difference of the two targets' captured planes. Result: ratios."""
 from __future__ import annotations
 
 import json
@@ -9,30 +14,33 @@ import traceback
 from typing import Any
 
 from bench.gpu import fixtures
-from bench.gpu.shared import Ctx
+from bench.gpu.shared import Ctx, P2Rig
 
 
 def part_fp8(ctx: Ctx) -> str:
-    """P8: the target as its makers' block-wise FP8 checkpoint against the bf16 one, in one process.
-    The proxy's random weights are quantized in memory as `dfpipe quantize-fp8` writes them and run
-    as a load runs them (`target_server.fp8.to_block_fp8`: FP8 matmuls where the device has them,
-    dequantized weights elsewhere, as in the CPU smoke run). On the same packed batches, in turns
-    (bf16 bare loop, FP8 bare loop, FP8 TargetWorker): FP8 over bf16 tok/s (the headline), P2 of
-    the FP8 target (its worker over its bare loop), and the relative difference of the two targets'
-    captured planes. First, on a GPU with FP8 matmuls, the GEMM micro-benchmark (fp8_gemm.py): each
-    GEMM path against bf16 on the 27B target's projections, one JSON line each."""
     import copy
 
-    from bench.gpu.worker_harness import run_worker, worker_config
     from target_server import fp8
     from target_server.data import PreparedDataset
-    from target_server.packer import Packer, build_packed
+    from target_server.packer import Packer
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
     budget, max_len = manifest["token_budget"], manifest["max_len"]
     if ctx.cuda and fp8.fp8_matmul_unavailable(ctx.device) is None:
-        _fp8_gemm_micro(ctx, budget)
+        # the GEMM micro-benchmark (fp8_gemm.py) at a batch's tokens and a quarter of them
+        from bench.gpu.fp8_gemm import best, compare
+        try:
+            records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
+        except Exception as e:   # logged and recorded; P8 runs on
+            traceback.print_exc()
+            ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
+        else:
+            for r in records:
+                print(json.dumps({"fp8_gemm": r}), flush=True)
+            summary = best(records)
+            print(json.dumps({"fp8_gemm_summary": summary}), flush=True)
+            ctx.store.figures("fp8", gemm=records, gemm_summary=summary)
     baseline = fixtures.load_runner(manifest, ctx.device, a.allow_torch_linear)
     t0 = time.perf_counter()
     runner = copy.deepcopy(baseline)
@@ -51,21 +59,10 @@ def part_fp8(ctx: Ctx) -> str:
                                "baseline_first_forward_s": baseline.warmup(budget),
                                "fp8_first_forward_s": runner.warmup(budget)}   # the FP8 kernels tune here
     dataset = PreparedDataset.open(manifest["data_dir"])
-    packer = Packer(dataset.lengths, budget, a.seed)
-    seqs = list(range(a.p2_warmup + a.p2_batches))
-    batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
-    tokens = sum(int(b[0].numel()) for b in batches[a.p2_warmup:])
-
-    def bare_tok_s(r: Any) -> float:
-        for b in batches[: a.p2_warmup]:
-            r.capture(*b)
-        timer = fixtures.RegionTimer(ctx.device).start()
-        for b in batches[a.p2_warmup:]:
-            r.capture(*b)
-        return tokens / timer.stop().seconds()
-
+    p8 = P2Rig(ctx, runner, dataset, Packer(dataset.lengths, budget, a.seed), list(range(a.p2_warmup + a.p2_batches)),
+               max_len, a.p2_warmup, "p8")
     # the planes of the first timed batch: how far the FP8 target's features are from the bf16 one's
-    batch = batches[a.p2_warmup]
+    batch = p8.batches[a.p2_warmup]
     ref, got = baseline.capture(*batch).float(), runner.capture(*batch).float()
     numbers["feature_rel_diff"] = float((got - ref).norm() / ref.norm())
     numbers["feature_rel_diff_by_layer"] = {str(layer): float((got[i] - ref[i]).norm() / ref[i].norm())
@@ -73,11 +70,9 @@ def part_fp8(ctx: Ctx) -> str:
     del ref, got
     rates: dict[str, list[float]] = {"bf16": [], "fp8": [], "fp8_worker": []}
     for _ in range(a.p2_repeats):
-        rates["bf16"].append(bare_tok_s(baseline))
-        rates["fp8"].append(bare_tok_s(runner))
-        cfg = worker_config(budget, max_len, ctx.ring_name("p8"), ctx.shm_dir, a.ring_slots, ctx.cuda_register(),
-                            a.audit_every)
-        rates["fp8_worker"].append(run_worker(runner, cfg, dataset, packer, seqs).tokens_per_s(a.p2_warmup - 1))
+        rates["bf16"].append(p8.bare_tok_s(baseline))
+        rates["fp8"].append(p8.bare_tok_s())
+        rates["fp8_worker"].append(p8.worker_run().tokens_per_s(a.p2_warmup - 1))
     n = len(rates["fp8"])
     ratios = [f / b for f, b in zip(rates["fp8"], rates["bf16"])]
     p2 = [w / f for w, f in zip(rates["fp8_worker"], rates["fp8"])]
@@ -88,21 +83,3 @@ def part_fp8(ctx: Ctx) -> str:
                         numbers)
     print(json.dumps(numbers, indent=1), flush=True)
     return "measured"
-
-
-def _fp8_gemm_micro(ctx: Ctx, budget: int) -> None:
-    """P8's GEMM micro-benchmark (bench/gpu/fp8_gemm.py) at a batch's tokens and a quarter of them;
-    a failure is logged and recorded, and P8 runs on."""
-    from bench.gpu.fp8_gemm import best, compare
-
-    try:
-        records = compare(tokens=(budget, max(1, budget // 4)), device=ctx.device)
-    except Exception as e:
-        traceback.print_exc()
-        ctx.store.figures("fp8", gemm_error=f"{type(e).__name__}: {e}")
-        return
-    for r in records:
-        print(json.dumps({"fp8_gemm": r}), flush=True)
-    summary = best(records)
-    print(json.dumps({"fp8_gemm_summary": summary}), flush=True)
-    ctx.store.figures("fp8", gemm=records, gemm_summary=summary)

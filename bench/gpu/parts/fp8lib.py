@@ -1,5 +1,6 @@
 """Part `fp8lib`: the FP8 implementation chosen by measurement (fp8_lib.py): one drafter MLP at the
-target's widths, bf16 against dfpipe's fp8 against torchao's. Result: figures `fp8lib`."""
+target's widths over a chunk's block tokens, forward + backward compiled, bf16 against dfpipe's fp8
+against torchao's Float8Linear (rowwise), where torchao works with this torch. Result: figures `fp8lib`."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,6 @@ from bench.gpu.shared import Ctx, SkipPart, target_shape
 
 
 def part_fp8lib(ctx: Ctx) -> str:
-    """The FP8 implementation, chosen by measurement (fp8_lib.py): one drafter MLP at the target's
-    widths over a chunk's block tokens, forward + backward compiled, bf16 against dfpipe's fp8
-    against torchao's Float8Linear (rowwise), where torchao works with this torch."""
     from bench.gpu.fp8_lib import compare
     from drafter_trainer.fp8 import fp8_supported
     from drafter_trainer.loss import AUTO_CHUNK_ROWS

@@ -1,34 +1,26 @@
 """Part `long`: whole long documents (issue 33) at one budget (--long-budget): the target on --long-doc
-documents against --long-short-doc ones (tok/s, µs a token, forward FLOPs a token), P2 on the long
-documents (P2L), P5d on them (P5dL, the other precision and the baseline attention path beside it),
-then the split of a host these rates recommend. Result: P2L, P5dL, figures `long`."""
+documents against --long-short-doc ones (tok/s, µs a token, forward FLOPs a token); P2 on the long
+documents (P2L); P5d on them (P5dL: up to --anchors anchors per document, chunks of --long-chunk
+blocks, MFU with the attention over the long contexts counted, peak memory; the other precision and
+the baseline attention path beside it); then the split of a host these rates recommend, as P7 does
+for chat-length data. The target goes first and is freed before the drafter is built.
+Result: P2L, P5dL, figures `long`."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 import time
-import traceback
 from typing import Any
 
 import numpy as np
 import torch
 
 from bench.gpu import fixtures
-from bench.gpu.shared import Ctx, P2Rig, baseline_differs, host_splits, target_flops_per_token
+from bench.gpu.shared import Ctx, P2Rig, baseline_differs, host_splits, step_figures, target_flops_per_token
 
 
 def part_long(ctx: Ctx) -> str:
-    """Whole long documents (issue 33), at one token budget (--long-budget): the target on documents
-    of --long-doc tokens against documents of --long-short-doc tokens (tok/s, the cost per token
-    and the FLOPs behind it); P2 on the long documents (the worker against the bare forward); P5d
-    on them (the drafter step at the published density, up to --anchors anchors per document, in
-    chunks of --long-chunk blocks; MFU by counted FLOPs, the attention over the long contexts
-    counted; peak memory); then the split of a host's GPUs these rates recommend, as P7 does for
-    chat-length data. The target goes first and is freed before the drafter is built."""
-    import gc
-
-    from bench.trainer_bench import step_flops
     from common.batch import document_positions
     from target_server.data import PreparedDataset
     from target_server.packer import Packer
@@ -52,9 +44,7 @@ def part_long(ctx: Ctx) -> str:
 
     # the target: the same budget filled with long or with short documents
     runner = fixtures.load_runner(long_manifest, dev, a.allow_torch_linear)
-    t0 = time.perf_counter()
-    runner.warmup(budget)
-    figures["first_forward_s"] = time.perf_counter() - t0
+    figures["first_forward_s"] = runner.warmup(budget)
     g = torch.Generator().manual_seed(a.seed)
     top = min(runner.vocab_size, shape.mask_token_id)
     proxy_layers = max(shape.capture_ids) + 1
@@ -64,11 +54,8 @@ def part_long(ctx: Ctx) -> str:
         lens = torch.tensor([doc] * q + ([r] if r else []), dtype=torch.int32)
         rows = [(torch.randint(0, top, (budget,), generator=g), document_positions(lens), lens)
                 for _ in range(1 + a.long_batches)]
-        runner.capture(*rows[0])          # untimed: a new document length may still tune a kernel
-        timer = fixtures.RegionTimer(dev).start()
-        for row in rows[1:]:
-            runner.capture(*row)
-        tok_s = a.long_batches * budget / timer.stop().seconds()
+        # the first untimed: a new document length may still tune a kernel
+        tok_s = fixtures.capture_tok_s(runner, rows, dev, warmup=1)
         gflop = target_flops_per_token(shape, proxy_layers, doc) / 1e9
         target[name] = {"doc_tokens": doc, "docs_per_batch": len(lens), "tok_s": tok_s, "us_per_token": 1e6 / tok_s,
                         "gflop_per_token": gflop, "tflop_s": tok_s * gflop / 1e3}
@@ -83,24 +70,17 @@ def part_long(ctx: Ctx) -> str:
     numbers: dict[str, Any] = {"token_budget": budget, "doc_tokens": long_doc, "batches_timed": a.long_p2_batches,
                                "repeats": a.long_p2_repeats, "audit_every": a.audit_every, "target": target}
     p2 = None
-    try:
+    with ctx.recorded("P2L", numbers, failed):
         dataset = PreparedDataset.open(data_dir)
-        packer = Packer(dataset.lengths, budget, a.seed)
-        p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.long_p2_batches)), long_doc,
-                   a.p2_warmup, "p2long")
+        p2 = P2Rig(ctx, runner, dataset, Packer(dataset.lengths, budget, a.seed),
+                   list(range(a.p2_warmup + a.long_p2_batches)), long_doc, a.p2_warmup, "p2long")
         numbers.update(p2.turns(a.long_p2_repeats), tokens_timed=p2.tokens)
         ratios = numbers["ratio_runs"]
         ctx.store.benchmark("P2L", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
         figures["target_worker_tok_s"] = numbers["worker_tok_s"]
         print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, default=str), flush=True)
-    except Exception as e:
-        traceback.print_exc()
-        failed.append("P2L")
-        ctx.store.benchmark_error("P2L", f"{type(e).__name__}: {e}", numbers)
     del runner, p2      # the drafter gets the GPU to itself
-    gc.collect()
-    if ctx.cuda:
-        torch.cuda.empty_cache()
+    ctx.free_memory()
 
     # P5d on the long documents
     from bench.gpu.drafter_rig import DrafterRig
@@ -110,7 +90,7 @@ def part_long(ctx: Ctx) -> str:
     peak = fixtures.matmul_peak_tflops(dev, a.matmul_n)
     numbers = {"token_budget": budget, "doc_tokens": long_doc, "anchors_per_doc_max": a.anchors,
                "blocks_per_chunk": a.long_chunk, "split_fc": bool(a.long_split_fc), "matmul_peak_tflops": peak}
-    try:
+    with ctx.recorded("P5dL", numbers, failed):
         rig = DrafterRig(long_manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
                          attn=a.drafter_attn or "auto", compile_mode="auto", blocks_per_chunk=a.long_chunk,
                          precision=a.p5d_precision)
@@ -126,22 +106,9 @@ def part_long(ctx: Ctx) -> str:
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             times = rig.timed(work, max(a.p5_warmup, len(work)), a.long_p5d_steps)
-            out: dict[str, Any] = {"precision": precision}
-            if ctx.cuda:     # read before anything else allocates
-                out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-            steps = [work[i % len(work)] for i in range(len(times))]
-            flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, a.long_chunk) for b, bl in steps]
-            total_s, tokens = sum(times), sum(b.num_tokens for b, _ in steps)
-            out.update(
-                step_s=float(np.median(times)), step_s_all=times, first_steps_s=time.perf_counter() - t0 - total_s,
-                tok_s=tokens / total_s, anchors_s=sum(bl.num_blocks for _, bl in steps) / total_s,
-                model_tflop_per_step=float(np.mean([f["model_total"] for f in flops])) / 1e12,
-                mfu=sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
-                executed_mfu=sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
-                gflop_per_token=sum(f["model_total"] for f in flops) / tokens / 1e9,
-                flops_share={k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
-                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")})
-            return out
+            # peak memory read before anything else allocates
+            peak_mem = {"peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9} if ctx.cuda else {}
+            return {"precision": precision, **peak_mem, **step_figures(rig, work, times, a.long_chunk, peak, t0)}
 
         # the trainer's default precision, as P5d's headline; then the other one (P5f's) on the same batches
         numbers.update(timed_step(rig.model.precision))
@@ -178,16 +145,11 @@ def part_long(ctx: Ctx) -> str:
                 rig.model.attn_impl = headline_impl
             numbers["baseline"] = {k: v for k, v in base.items() if k != "step_s_all"}
             print("baseline", json.dumps({k: v for k, v in numbers["baseline"].items() if k != "profile"}), flush=True)
-        p5d = ctx.store.read()["parts"].get("p5d", {}).get("figures", {})
-        if p5d.get("drafter_gflop_per_token"):     # the chat-length figure of this run, beside it
-            numbers["p5d_gflop_per_token"] = p5d["drafter_gflop_per_token"]
+        if gflop := ctx.part_figures("p5d").get("drafter_gflop_per_token"):   # this run's chat-length figure
+            numbers["p5d_gflop_per_token"] = gflop
         ctx.store.benchmark("P5dL", {"mfu": numbers["mfu"], "peak_mem_gb": numbers.get("peak_mem_gb")}, numbers)
         print(json.dumps({k: v for k, v in numbers.items() if k not in ("step_s_all", "profile")}, default=str), flush=True)
         del rig, work
-    except Exception as e:
-        traceback.print_exc()
-        failed.append("P5dL")
-        ctx.store.benchmark_error("P5dL", f"{type(e).__name__}: {e}", numbers)
 
     # the host split these rates recommend (P7's projection, for long documents)
     drafter = numbers.get("tok_s")

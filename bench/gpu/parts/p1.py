@@ -1,25 +1,28 @@
 """Part `p1`: P1, the transport (transport.py): payload GB/s of `[k, budget, hidden]` bf16 slots from
 the producer GPU through a registered slot to a consumer process's GPU, against a pinned D2H copy of
-the same bytes, per slot count (--p1-slots) and consumer GPU. Result: ratio."""
+the same bytes, per slot count (--p1-slots) and consumer GPU. Result: the ratio of the production
+layout (the consumer on another GPU where there is one) at its best slot count; same-GPU runs show
+the host side alone."""
 from __future__ import annotations
 
 import json
 import traceback
 from typing import Any
 
+import torch
+
 from bench.gpu import fixtures
 from bench.gpu.shared import RUNNER, Ctx
 
 
 def part_p1(ctx: Ctx) -> str:
-    """P1 per (slots, consumer GPU): the headline is the production layout (consumer on another GPU
-    when there is one) with the best slot count; the same-GPU runs show the host side alone."""
-    from bench.gpu.transport import consumer_device_for, run_transport
+    from bench.gpu.transport import run_transport
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
     shape = fixtures.shape_of(manifest)
-    other = consumer_device_for(ctx.device)
+    # the 'trainer GPU': a second GPU when there is one (the production layout), else the same one
+    other = f"cuda:{1 if torch.cuda.device_count() > 1 else 0}" if ctx.cuda else "cpu"
     consumers = [other] + ([str(ctx.device)] if ctx.cuda and other != str(ctx.device) else [])
     variants: dict[str, Any] = {}
     for slots in (int(x) for x in str(a.p1_slots).split(",")):

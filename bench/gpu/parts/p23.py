@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -14,10 +13,6 @@ import torch
 
 from bench.gpu import fixtures
 from bench.gpu.shared import Ctx, P2Rig
-
-
-class _Skip(Exception):
-    """The rest of a measured block is left out on purpose (its figures are already recorded)."""
 
 
 def part_p23(ctx: Ctx) -> str:
@@ -29,9 +24,7 @@ def part_p23(ctx: Ctx) -> str:
     manifest = fixtures.read_manifest(ctx.workdir)
     budget, max_len = manifest["token_budget"], manifest["max_len"]
     runner = fixtures.load_runner(manifest, dev, a.allow_torch_linear)
-    t0 = time.perf_counter()
-    runner.warmup(budget)
-    ctx.store.figures("p23", first_forward_s=time.perf_counter() - t0, linear_backend=runner.linear_backend)
+    ctx.store.figures("p23", first_forward_s=runner.warmup(budget), linear_backend=runner.linear_backend)
     failed = []
     try:
         if a.firstpass_batches > 0:
@@ -46,48 +39,41 @@ def part_p23(ctx: Ctx) -> str:
     # P2: the server's worker path vs the bare forward over the same batches, repeated in turns
     numbers: dict[str, Any] = {"batches_timed": a.p2_batches, "token_budget": budget, "audit_every": a.audit_every,
                                "repeats": a.p2_repeats}
-    try:
+    with ctx.recorded("P2", numbers, failed):
         dataset = PreparedDataset.open(manifest["data_dir"])
         packer = Packer(dataset.lengths, budget, a.seed)
         p2 = P2Rig(ctx, runner, dataset, packer, list(range(a.p2_warmup + a.p2_batches)), max_len, a.p2_warmup, "p2")
         numbers["tokens_timed"] = p2.tokens
         numbers.update(p2.turns(a.p2_repeats))
-        ratios = numbers["ratio_runs"]
+        ratio = sum(numbers["ratio_runs"]) / len(numbers["ratio_runs"])
         # P2 and the target-alone rate (P6d, P7) are recorded before the diagnostics, which a
         # part's timeout may cut short (--p2-diagnostics 0 leaves them out)
         ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
-        ctx.store.benchmark("P2", {"worker_over_bare_forward": sum(ratios) / len(ratios)}, numbers)
-        if not a.p2_diagnostics:
-            raise _Skip()
-        bare_tok_s, worker_tok_s = p2.bare_tok_s, p2.worker_run
-        # diagnostics, each against the bare rate above: the worker without its per-batch audit; a
-        # consumer in this process that polls every millisecond (the harness before the seventh
-        # session); and the input copies as they were before it (blocking: every batch first waited
-        # for the previous forward to finish), the bare loop then measured the same way
-        numbers["worker_without_audit_tok_s"] = worker_tok_s(
-            patch=lambda w: setattr(w, "_audit", lambda seq, hidden, arrays: True)).tokens_per_s(a.p2_warmup - 1)
-        numbers["worker_consumer_polling_tok_s"] = worker_tok_s(poll_interval_s=0.001).tokens_per_s(a.p2_warmup - 1)
-        with blocking_input_copies():
-            numbers["bare_blocking_inputs_tok_s"] = bare_tok_s()
-            blocked = worker_tok_s()
-            numbers["worker_blocking_inputs_tok_s"] = blocked.tokens_per_s(a.p2_warmup - 1)
-            numbers["worker_blocking_inputs_stages"] = blocked.stages
-            # both as they were: the producer and harness of runs before the seventh session
-            numbers["worker_blocking_inputs_consumer_polling_tok_s"] = worker_tok_s(
-                poll_interval_s=0.001).tokens_per_s(a.p2_warmup - 1)
-        # the baseline again, after the workers: how much the bare rate itself moves within a run
-        numbers["bare_after_tok_s"] = bare_tok_s()
-        del p2
-        ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"], bare_forward_tok_s=numbers["bare_tok_s"])
-        ratio = sum(ratios) / len(ratios)
-        print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
         ctx.store.benchmark("P2", {"worker_over_bare_forward": ratio}, numbers)
-    except _Skip:
+        if a.p2_diagnostics:
+            bare_tok_s, worker_tok_s, skip = p2.bare_tok_s, p2.worker_run, a.p2_warmup - 1
+            # diagnostics, each against the bare rate above: the worker without its per-batch audit; a
+            # consumer in this process that polls every millisecond (the harness before the seventh
+            # session); and the input copies as they were before it (blocking: every batch first waited
+            # for the previous forward to finish), the bare loop then measured the same way
+            numbers["worker_without_audit_tok_s"] = worker_tok_s(
+                patch=lambda w: setattr(w, "_audit", lambda seq, hidden, arrays: True)).tokens_per_s(skip)
+            numbers["worker_consumer_polling_tok_s"] = worker_tok_s(poll_interval_s=0.001).tokens_per_s(skip)
+            with blocking_input_copies():
+                numbers["bare_blocking_inputs_tok_s"] = bare_tok_s()
+                blocked = worker_tok_s()
+                numbers["worker_blocking_inputs_tok_s"] = blocked.tokens_per_s(skip)
+                numbers["worker_blocking_inputs_stages"] = blocked.stages
+                # both as they were: the producer and harness of runs before the seventh session
+                numbers["worker_blocking_inputs_consumer_polling_tok_s"] = worker_tok_s(
+                    poll_interval_s=0.001).tokens_per_s(skip)
+            # the baseline again, after the workers: how much the bare rate itself moves within a run
+            numbers["bare_after_tok_s"] = bare_tok_s()
+            del p2
+            ctx.store.figures("p23", target_alone_tok_s=numbers["worker_tok_s"],
+                              bare_forward_tok_s=numbers["bare_tok_s"])
+            ctx.store.benchmark("P2", {"worker_over_bare_forward": ratio}, numbers)
         print(json.dumps({k: v for k, v in numbers.items() if "stages" not in k}, indent=1))
-    except Exception as e:
-        traceback.print_exc()
-        failed.append("P2")
-        ctx.store.benchmark_error("P2", f"{type(e).__name__}: {e}", numbers)
 
     # P3: packed (varlen) vs padded (transformers' batched forward), bench/target_bench's own runs
     # --p3-docs 0: P3 not run (its padded baseline is the slow half of the part; P2 alone is quick)
@@ -95,7 +81,7 @@ def part_p23(ctx: Ctx) -> str:
         ctx.store.benchmark_error("P3", "not run: --p3-docs 0")
     else:
         numbers = {"docs": a.p3_docs, "median": a.median, "sigma": a.sigma, "max_len": max_len, "token_budget": budget}
-        try:
+        with ctx.recorded("P3", numbers, failed):
             from bench.target_bench import lognormal_lengths, pack_rows, run_packed, run_padded
 
             lens = lognormal_lengths(a.p3_docs, a.median, a.sigma, max_len, a.seed + 1)
@@ -120,10 +106,6 @@ def part_p23(ctx: Ctx) -> str:
             print(json.dumps(numbers, indent=1))
             ctx.store.benchmark("P3", {"packed_over_padded_tok_s": numbers["packed_tok_s"] / numbers["padded_tok_s"],
                                        "packed_computed_over_real": numbers["packed_computed_over_real"]}, numbers)
-        except Exception as e:
-            traceback.print_exc()
-            failed.append("P3")
-            ctx.store.benchmark_error("P3", f"{type(e).__name__}: {e}", numbers)
     if failed:
         raise RuntimeError(f"{', '.join(failed)} failed (see the log)")
     return "measured"
@@ -148,16 +130,10 @@ def first_pass_by_attention(ctx: Ctx, runner: Any, manifest: dict[str, Any]) -> 
         # seqs far past those P2 and the services use, and different for every variant
         seqs = range(10_000 + 100 * i, 10_000 + 100 * i + a.firstpass_batches)
         batches = [fixtures.batch_tensors(build_packed(dataset, packer.batch(s))) for s in seqs]
-        tokens = sum(int(b[0].numel()) for b in batches)
         runner.attention_path = path
         if ctx.cuda:
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
-        rates = []
-        for _ in range(2):
-            timer = fixtures.RegionTimer(ctx.device).start()
-            for b in batches:
-                runner.capture(*b)
-            rates.append(tokens / timer.stop().seconds())
+        rates = [fixtures.capture_tok_s(runner, batches, ctx.device) for _ in range(2)]
         out[name] = {"first_tok_s": rates[0], "repeat_tok_s": rates[1], "first_over_repeat": rates[0] / rates[1],
                      "docs_per_batch": sum(int(b[2].numel()) for b in batches) / len(batches)}
         print(f"first pass, {name}: {rates[0]:,.0f} tok/s first, {rates[1]:,.0f} repeat", flush=True)

@@ -1,6 +1,6 @@
 """Part `p5`: P5, the drafter step (fwd + bwd + clip + AdamW) at the brief's size for each attention
-path (--p5-attn) eager, then the fastest compiled; MFU against the measured bf16 matmul peak, a
-kernel profile, and drafter-alone tok/s on the dataset's batches (P6's denominator). Result: ratio."""
+path (--p5-attn) eager, then the fastest compiled (drafter.compile: an A/B in one process); MFU
+against the measured bf16 matmul peak and the fastest variant's kernel profile. Result: ratio."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,6 @@ from bench.gpu.shared import Ctx
 
 
 def part_p5(ctx: Ctx) -> str:
-    """P5 at the brief's size for each attention path, eager; then the fastest path compiled
-    (drafter.compile: an A/B in one process); a kernel profile of the fastest variant, then
-    drafter-alone tok/s on the dataset's own batches (P6's denominator)."""
     from bench.gpu.drafter_rig import DrafterRig
     from bench.trainer_bench import step_flops, synthetic_batch
 
@@ -36,16 +33,13 @@ def part_p5(ctx: Ctx) -> str:
     if not modes or set(modes) - {"on", "off"}:
         raise ValueError(f"--p5-compile {a.p5_compile!r}: a list of on / off")
 
-    # P5: the brief's size (one 3072-token row, 512 anchors), each attention path of the drafter
     numbers: dict[str, Any] = {"tokens": a.p5_tokens, "docs": a.p5_docs, "anchors_per_doc_max": a.p5_anchors,
-                               "block": a.block,
-                               "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
+                               "block": a.block, "drafter_layers": a.drafter_layers, "hidden": dcfg.hidden_size,
                                "heads": f"{dcfg.num_attention_heads}/{dcfg.num_key_value_heads}x{dcfg.head_dim}",
                                "intermediate": dcfg.intermediate_size, "vocab": dcfg.vocab_size,
                                "matmul_peak_tflops": peak,
                                "params_trainable_b": sum(p.numel() for p in rig.params) / 1e9, "variants": {}}
-    best = None
-    try:
+    with ctx.recorded("P5", numbers):
         batch = synthetic_batch(a.p5_tokens, a.p5_docs, len(shape.capture_ids), shape.hidden, dcfg.vocab_size,
                                 a.seed, dev, rig.hidden_dtype)
         blocks = rig.blocks_for(batch, 0)
@@ -89,15 +83,13 @@ def part_p5(ctx: Ctx) -> str:
         # Compiling speeds up the same non-attention work on every path, so the eager ranking picks
         # the path to compile; a compile per path would not fit the part's time limit.
         eager_best = fastest([measure(impl, False) for impl in impls]) if "off" in modes else None
-        compiled_keys = []
-        if "on" in modes:
-            paths = [numbers["variants"][eager_best]["attn"]] if eager_best else impls
-            compiled_keys = [measure(impl, True) for impl in paths]
+        paths = [numbers["variants"][eager_best]["attn"]] if eager_best else impls
+        compiled_keys = [measure(impl, True) for impl in paths] if "on" in modes else []
         best = fastest([eager_best, *compiled_keys])
         if best is None:
             raise RuntimeError(f"every attention path failed: {numbers['variants']}")
         chosen = numbers["variants"][best]
-        numbers.update({k: x for k, x in chosen.items()}, variant=best)
+        numbers.update(chosen, variant=best)
         pair = [numbers["variants"].get(k, {}) for k in (chosen["attn"], chosen["attn"] + "+compile")]
         if all("step_s" in v for v in pair):
             numbers["compile_ab"] = {"attn": chosen["attn"], "eager_step_s": pair[0]["step_s"],
@@ -112,8 +104,4 @@ def part_p5(ctx: Ctx) -> str:
         ctx.store.benchmark("P5", {"mfu": numbers["mfu"]}, numbers)
         ctx.store.figures("p5", best_attn=chosen["attn"], best_compile="on" if chosen["compile"] else "off")
         del batch, blocks
-    except Exception as e:
-        traceback.print_exc()
-        ctx.store.benchmark_error("P5", f"{type(e).__name__}: {e}", numbers)
-
     return "measured"

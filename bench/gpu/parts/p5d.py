@@ -1,36 +1,31 @@
-"""Part `p5d`: P5d, the drafter step at the published anchor density on the dataset's budget-size
-batches, in chunks of --p5d-chunks blocks (the first the headline); MFU from counted FLOPs, peak
-memory, tok/s, a kernel profile; with --p5d-baseline-attn the same step on another attention path,
-and P5f: the step in --p5d-other-precision (fp8) against the headline's, gradients compared.
-Result: P5d, P5f and the drafter-alone rate P6d and P7 price with."""
+"""Part `p5d`: P5d, the drafter step at the published anchor density: the dataset's budget-size
+batches of lognormal documents, up to --anchors anchors per document, in chunks of --p5d-chunks
+blocks (0 = auto), the attention path and compile mode the trainer uses on CUDA; MFU from counted
+FLOPs, peak memory, tok/s. The first size listed (the trainer's default) is the headline, with a
+kernel profile and the drafter-alone rate P6d and P7 price with; the others are a sweep. With
+--p5d-baseline-attn the same step on another attention path; P5f: the step in --p5d-other-precision
+(fp8) against the headline's, gradients compared. Result: P5d, P5f, the drafter-alone rate."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from bench.gpu import fixtures
-from bench.gpu.shared import Ctx, baseline_differs
+from bench.gpu.shared import Ctx, baseline_differs, step_figures
 
 
 def part_p5d(ctx: Ctx) -> str:
-    """P5d: the drafter step at the published anchor density: the dataset's budget-size batches of
-    lognormal documents, up to --anchors anchors per document, the step's chunks of
-    --p5d-chunks blocks each (the first is the default, 0 = auto), the attention path and compile
-    mode the trainer uses on CUDA; MFU from counted FLOPs, peak memory, tok/s. The first size
-    listed (the trainer's default) is the headline and gives the drafter-alone rate P6d and P7 use,
-    and a kernel profile; the others are a sweep."""
-    from dataclasses import replace
-
     from bench.gpu.drafter_rig import DrafterRig
-    from bench.trainer_bench import step_flops
     from drafter_trainer.fp8 import fp8_supported
     from drafter_trainer.loss import auto_blocks_per_chunk
+    from drafter_trainer.model import resolve_attention
 
     a = ctx.args
     dev = ctx.device
@@ -41,7 +36,6 @@ def part_p5d(ctx: Ctx) -> str:
         drafter_model.LAYER_COMPILE_OPTIONS.update(json.loads(a.layer_compile_options))
     rig = DrafterRig(manifest, dev, a.drafter_layers, a.block, a.anchors, a.loss_chunk, a.seed,
                      attn=a.drafter_attn or "auto", compile_mode="auto", precision=a.p5d_precision)
-    from drafter_trainer.model import resolve_attention
     rig.model.attn_impl = resolve_attention(rig.model.attn_impl, dev.type, rig.config.head_dim)
     work = rig.dataset_work(list(range(a.p5d_batches)), lazy_hidden=True)
     anchors = [blocks.num_blocks for _, blocks in work]
@@ -68,19 +62,7 @@ def part_p5d(ctx: Ctx) -> str:
             if ctx.cuda:
                 torch.cuda.empty_cache()
             continue
-        steps = [work[i % len(work)] for i in range(len(times))]
-        flops = [step_flops(rig.config, b, bl, rig.model.attn_impl, per) for b, bl in steps]
-        total_s = sum(times)
-        v = {"blocks_per_chunk": per, "step_s": float(np.median(times)), "step_s_all": times,
-             "anchors_s": sum(bl.num_blocks for _, bl in steps) / total_s,
-             "first_steps_s": time.perf_counter() - t0 - total_s,
-             "tok_s": sum(b.num_tokens for b, _ in steps) / total_s,
-             "model_tflop_per_step": float(np.mean([f["model_total"] for f in flops])) / 1e12,
-             "mfu": sum(f["model_total"] for f in flops) / total_s / 1e12 / peak,
-             "executed_mfu": sum(f["executed_total"] for f in flops) / total_s / 1e12 / peak,
-             "gflop_per_token": sum(f["model_total"] for f in flops) / sum(b.num_tokens for b, _ in steps) / 1e9,
-             "flops_share": {k: float(np.sum([f[k] for f in flops]) / np.sum([f["model_total"] for f in flops]))
-                             for k in ("fc", "ctx_kv", "block_proj", "mlp", "attn_visible", "lm_head")}}
+        v = {"blocks_per_chunk": per, **step_figures(rig, work, times, per, peak, t0)}
         if ctx.cuda:
             v["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         numbers["chunks"][str(per)] = v
@@ -101,8 +83,13 @@ def part_p5d(ctx: Ctx) -> str:
     if ctx.cuda and a.p5_profile:
         rig.settings = replace(rig.settings, blocks_per_chunk=best)
         numbers["profile"] = fixtures.profile_kernels(lambda: rig.step(*work[0]), dev, top=a.p5_profile)
-    if baseline_differs(rig, a.p5d_baseline_attn):
-        numbers["baseline"] = p5d_baseline(rig, work, best, a, peak, chosen)
+    if baseline_differs(rig, a.p5d_baseline_attn):   # the headline's batches and chunk size on that path instead
+        impl = resolve_attention(a.p5d_baseline_attn, dev.type, rig.config.head_dim)
+        headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
+        try:
+            numbers["baseline"] = timed_against(rig, work, best, a, peak, chosen, "baseline", attn=impl)
+        finally:
+            rig.model.attn_impl = headline_impl
     numbers["precision"] = rig.model.precision
     ctx.store.benchmark("P5d", {"mfu": chosen["mfu"], "peak_mem_gb": chosen.get("peak_mem_gb")}, numbers)
     # the rates later parts price with (P6d, P7), kept even if P5f below runs out of time
@@ -127,34 +114,14 @@ def part_p5d(ctx: Ctx) -> str:
     return "measured"
 
 
-def p5d_baseline(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
-                 headline: dict[str, Any]) -> dict[str, Any]:
-    """The headline's batches and chunk size stepped with --p5d-baseline-attn instead: the
-    headline's speed-up over it, in the same process (MFU from the same model FLOPs)."""
-    from dataclasses import replace
-
-    from drafter_trainer.model import resolve_attention
-
-    impl = resolve_attention(a.p5d_baseline_attn, rig.device.type, rig.config.head_dim)
-    headline_impl, rig.model.attn_impl = rig.model.attn_impl, impl
-    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
-    try:
-        return timed_against(rig, work, chunk, a, peak, headline, "baseline", attn=impl)
-    finally:
-        rig.model.attn_impl = headline_impl
-
-
 def timed_against(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: argparse.Namespace, peak: float,
                   headline: dict[str, Any], label: str, **settings: Any) -> dict[str, Any]:
-    """The headline's batches stepped as the rig is set now: step times, tok/s, MFU from the same
-    counted FLOPs, peak memory, and the headline's speed-up over it (`settings` are recorded)."""
-    from bench.trainer_bench import step_flops
-
-    times = rig.timed(work, len(work), a.p5d_steps)
-    steps = [work[i % len(work)] for i in range(len(times))]
-    model_flops = sum(step_flops(rig.config, b, bl, rig.model.attn_impl, chunk)["model_total"] for b, bl in steps)
-    out = {**settings, "step_s": float(np.median(times)), "step_s_all": times,
-           "tok_s": sum(b.num_tokens for b, _ in steps) / sum(times), "mfu": model_flops / sum(times) / 1e12 / peak}
+    """The headline's batches stepped as the rig is set now, at `chunk` blocks a chunk: step times,
+    tok/s, MFU from the same counted FLOPs, peak memory, and the headline's speed-up over it
+    (`settings` are recorded)."""
+    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
+    figures = step_figures(rig, work, rig.timed(work, len(work), a.p5d_steps), chunk, peak, time.perf_counter())
+    out = {**settings, **{k: figures[k] for k in ("step_s", "step_s_all", "tok_s", "mfu")}}
     if rig.cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(rig.device) / 1e9
     out["headline_speedup"] = headline["tok_s"] / out["tok_s"]
@@ -167,13 +134,10 @@ def p5d_other_precision(rig: Any, work: list[tuple[Any, Any]], chunk: int, a: ar
     """The headline's batches and chunk size stepped in --p5d-other-precision (fp8) instead of the
     headline's (bf16), in the same process: its step, and the gradient of one batch in both
     precisions from the same weights and planes, compared weight by weight (cosine)."""
-    from dataclasses import replace
-
     from drafter_trainer.fp8 import resolve_precision
 
     headline_precision = rig.model.precision
     base = resolve_precision(a.p5d_other_precision, rig.device)
-    rig.settings = replace(rig.settings, blocks_per_chunk=chunk)
     try:
         rig.model.precision = base
         out = timed_against(rig, work, chunk, a, peak, headline, "other precision",

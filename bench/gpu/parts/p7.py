@@ -1,6 +1,9 @@
-"""Part `p7`: P7, one 8-GPU host at the real depth projected from this run's one-GPU rates (p23's target
-rate, p5d's drafter rate): the best split of its GPUs between target and trainer, against the FLOP
-limit of the host. Result: projected / FLOP limit."""
+"""Part `p7`: P7, one 8-GPU host at the real depth projected from this run's one-GPU rates: the
+target's per GPU (p23's proxy worker rate scaled by computed layers: the proxy's per-layer time
+equals the full stack's within 1% on the H200) and the drafter's (P5d); the best split of the GPUs
+between them against the FLOP limit of the host (both services at the measured matmul peak). A
+projection: multi-GPU efficiency is taken as 1 (measured 0.9-1.0 on 4 GPUs before).
+Result: projected / FLOP limit."""
 from __future__ import annotations
 
 import json
@@ -10,14 +13,8 @@ from bench.gpu.shared import Ctx, SkipPart, host_splits, target_flops_per_token
 
 
 def part_p7(ctx: Ctx) -> str:
-    """P7: one 8-GPU host at the real depth, projected from this run's one-GPU rates: the target's
-    rate per GPU (the proxy's worker rate from p23, scaled by computed layers: the proxy's per-layer
-    time equals the full stack's within 1% on the H200), the drafter's (P5d), the best split of 8
-    GPUs between them, against the FLOP limit of the host (both services at the measured matmul
-    peak). A projection: multi-GPU efficiency is taken as 1 (measured 0.9-1.0 on 4 GPUs before)."""
     a = ctx.args
-    parts = ctx.store.read()["parts"]
-    p23, p5d = parts.get("p23", {}).get("figures", {}), parts.get("p5d", {}).get("figures", {})
+    p23, p5d = ctx.part_figures("p23"), ctx.part_figures("p5d")
     target_proxy, drafter = p23.get("target_alone_tok_s"), p5d.get("drafter_alone_tok_s")
     peak, drafter_gflop = p5d.get("matmul_peak_tflops"), p5d.get("drafter_gflop_per_token")
     if not (target_proxy and drafter and peak and drafter_gflop):

@@ -1,6 +1,6 @@
 """Part `placements` (issue 8): both real services on chosen GPUs (--placements "target/trainer" ids),
-end to end, against the ideal from scale's rates: min() for disjoint GPUs, 1/(1/a+1/b) for shared
-ones. Result: end-to-end tok/s per placement."""
+end to end, against the ideal from the scale part's rates in the same run: min(target, drafter) for
+disjoint GPUs, 1/(1/target + 1/drafter) for shared ones. Result: end-to-end tok/s per placement."""
 from __future__ import annotations
 
 import json
@@ -15,28 +15,21 @@ from bench.gpu.shared import Ctx
 
 
 def part_placements(ctx: Ctx) -> str:
-    """Issue 8: both real services placed on chosen GPUs (target devices / trainer ranks), end to end,
-    against the ideal from the scale part's rates in the same run: co-located placements against
-    1/(1/target + 1/drafter), disjoint ones against min(target, drafter)."""
     from bench.gpu.services import ServicePlan, run_placement
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
     gpus = torch.cuda.device_count() if ctx.cuda else 1
     specs = [x for x in (a.placements or ("0/1,01/01" if gpus >= 2 else "0/0")).split(",") if x]
-    scale = ctx.store.read()["parts"].get("scale", {}).get("figures", {})
-    attn = a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get("best_attn") or "auto"
+    scale, attn = ctx.part_figures("scale"), ctx.drafter_attn()
     results: dict[str, Any] = {}
     deadline = time.monotonic() + a.part_budget
     for spec in specs:
         t_ids, d_ids = spec.split("/")
         name = spec.replace("/", "-")
         as_dev = (lambda ids: [f"cuda:{c}" for c in ids]) if ctx.cuda else (lambda ids: ["cpu"] * len(ids))
-        plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, device=str(ctx.device) if ctx.cuda else "cpu",
-                           ring_name=ctx.ring_name(f"pl{name}"), shm_dir=ctx.shm_dir, slots=a.ring_slots,
-                           anchors=a.anchors, block=a.block, drafter_layers=a.drafter_layers,
-                           loss_chunk=a.loss_chunk, audit_every=a.audit_every, p6_seconds=a.p6_seconds,
-                           p6_skip_steps=a.p6_skip_steps, cold_triton="shared", step_timeout_s=a.step_timeout,
+        plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, args=a, ring_name=ctx.ring_name(f"pl{name}"),
+                           device=str(ctx.device) if ctx.cuda else "cpu", shm_dir=ctx.shm_dir, cold_triton="shared",
                            attn=attn, target_devices=as_dev(t_ids), trainer_devices=as_dev(d_ids))
         figures: dict[str, Any] = {}
         try:

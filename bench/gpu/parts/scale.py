@@ -1,8 +1,11 @@
-"""Part `scale` (issue 8): target workers N = 1..G, each count also against the bare forward loop on
-the same runners (P2 per configuration), and drafter ranks M = 1..G over NCCL (torchrun + ranks.py);
-the split of 2/4/8-GPU hosts the rates recommend. Result: tok/s and efficiency per count."""
+"""Part `scale` (issue 8): target workers N = 1..G (one per GPU in one server-shaped process, a
+consumer that acks at once), each count also against the bare forward loop on the same runners (P2
+per configuration), and drafter ranks M = 1..G over NCCL (torchrun + ranks.py: the trainer's step
+and all-reduce), each against N (M) times the single one measured in the same run; then the split
+of 2/4/8-GPU hosts the rates recommend. Result: tok/s and efficiency per count."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,12 +20,6 @@ from bench.gpu.shared import REPO, Ctx, read_json
 
 
 def part_scale(ctx: Ctx) -> str:
-    """Issue 8: target workers N = 1..G (one per GPU in one server-shaped process, a consumer that
-    acks at once) and drafter ranks M = 1..G over NCCL (torchrun, the trainer's step and all-reduce),
-    each against N (M) times the single one measured in the same run; then the split of a host's
-    GPUs between the two that the measured rates recommend."""
-    import gc
-
     from bench.gpu.worker_harness import run_workers, worker_config
     from target_server.data import PreparedDataset
     from target_server.packer import Packer, build_packed
@@ -57,11 +54,9 @@ def part_scale(ctx: Ctx) -> str:
               f"P2 {tok_s / bare:.3f} (bare forward {bare:,.0f})", flush=True)
         ctx.store.figures("scale", **figures)
     del runners, run
-    gc.collect()
-    if ctx.cuda:
-        torch.cuda.empty_cache()
+    ctx.free_memory()
 
-    attn = a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get("best_attn") or "auto"
+    attn = ctx.drafter_attn()
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     for m in range(1, top + 1):
@@ -125,10 +120,8 @@ def bare_forward_tok_s(runners: list[Any], batches: list[tuple[torch.Tensor, ...
     threads = [threading.Thread(target=loop, args=(r, sh)) for r, sh in zip(runners, shares)]
     for t in threads:
         t.start()
-    try:
+    with contextlib.suppress(threading.BrokenBarrierError):
         start.wait()
-    except threading.BrokenBarrierError:
-        pass
     for t in threads:
         t.join()
     if errors:

@@ -19,28 +19,17 @@ from bench.gpu.shared import Ctx
 SERVICES_FULL_CHUNK_GB = 100
 
 
-def services_chunk(ctx: Ctx) -> int:
-    """drafter.blocks_per_chunk for the services part: 0 (auto) on a card of at least
-    SERVICES_FULL_CHUNK_GB, else a third of the auto chunk."""
-    from drafter_trainer.loss import auto_blocks_per_chunk
-
-    if not ctx.cuda or torch.cuda.get_device_properties(ctx.device).total_memory >= SERVICES_FULL_CHUNK_GB * 1e9:
-        return 0
-    return auto_blocks_per_chunk(ctx.args.block) // 3
-
-
 def part_services(ctx: Ctx) -> str:
     from bench.gpu.services import ServicePlan, run_services
+    from drafter_trainer.loss import auto_blocks_per_chunk
 
     a = ctx.args
     manifest = fixtures.read_manifest(ctx.workdir)
-    plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, device=str(ctx.device) if ctx.cuda else "cpu",
-                       ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, slots=a.ring_slots, anchors=a.anchors,
-                       block=a.block, drafter_layers=a.drafter_layers, loss_chunk=a.loss_chunk,
-                       audit_every=a.audit_every, p6_seconds=a.p6_seconds, p6_skip_steps=a.p6_skip_steps,
-                       cold_triton=a.cold_triton, step_timeout_s=a.step_timeout,
-                       attn=a.drafter_attn or ctx.store.read()["parts"].get("p5", {}).get("figures", {}).get(
-                           "best_attn") or "auto", blocks_per_chunk=services_chunk(ctx))
+    small_card = ctx.cuda and torch.cuda.get_device_properties(ctx.device).total_memory < SERVICES_FULL_CHUNK_GB * 1e9
+    chunk = auto_blocks_per_chunk(a.block) // 3 if small_card else 0   # drafter.blocks_per_chunk (0: auto)
+    plan = ServicePlan(workdir=ctx.workdir, manifest=manifest, args=a, device=str(ctx.device) if ctx.cuda else "cpu",
+                       ring_name=ctx.ring_name("svc"), shm_dir=ctx.shm_dir, cold_triton=a.cold_triton,
+                       attn=ctx.drafter_attn(), blocks_per_chunk=chunk)
     figures: dict[str, Any] = {"blocks_per_chunk": plan.blocks_per_chunk}
     error = None
     try:
@@ -67,9 +56,7 @@ def part_services(ctx: Ctx) -> str:
         ctx.store.benchmark("P4", {"warm_over_cold_first_step": warm["first_step_s"] / cold_full}, numbers)
     else:
         ctx.store.benchmark_error("P4", error or "not measured", figures)
-    parts = ctx.store.read()["parts"]
-    target_alone = parts.get("p23", {}).get("figures", {}).get("target_alone_tok_s")
-    p5d = parts.get("p5d", {}).get("figures", {})
+    target_alone, p5d = ctx.part_figures("p23").get("target_alone_tok_s"), ctx.part_figures("p5d")
     drafter_alone, drafter_anchors_s = p5d.get("drafter_alone_tok_s"), p5d.get("drafter_alone_anchors_s")
     together = figures.get("together_tok_s")
     numbers = {"together_tok_s": together, "target_alone_tok_s": target_alone, "drafter_alone_tok_s": drafter_alone,
