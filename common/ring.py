@@ -393,10 +393,13 @@ class _RingMap:
         flat = self._bytes[start + entry.offset:start + entry.offset + entry.nbytes]
         return flat.view(entry.dtype).view(entry.shape)
 
-    @property
-    def consumer_epoch(self) -> int:
+    def _check_open(self) -> None:
         if self._closed:
             raise RingError(f"{self.path}: ring is closed")
+
+    @property
+    def consumer_epoch(self) -> int:
+        self._check_open()
         return self._words.load(_C.CONSUMER_EPOCH)
 
     def _read_table(self, index: int, pub_seq: int) -> tuple[dict[str, TensorEntry], dict]:
@@ -741,10 +744,6 @@ class ProducerRing(_RingMap):
         """Cut short a wait in acquire() (call when an ACK message arrives)."""
         self._waiter.wake()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
-
     def close(self, unlink: bool = True) -> None:
         """Unregister CUDA, unmap, unlink the file (unless unlink=False), give up the producer role."""
         with self._lock:
@@ -875,8 +874,7 @@ class ConsumerRing(_RingMap):
         self._check_index(index, StaleSlot)
         if not _is_int(pub_seq) or not 0 < pub_seq <= MAX_PUB_SEQ:
             raise StaleSlot(f"pub_seq {pub_seq!r} outside 1..{MAX_PUB_SEQ}")
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
+        self._check_open()
         entries, meta = self._read_table(index, pub_seq)
         start = self._slot_start(index)
         tensors = {name: self._view(start, e) for name, e in entries.items()}
@@ -889,8 +887,7 @@ class ConsumerRing(_RingMap):
         producer frees the slot only if the epoch is still current and the slot still holds pub_seq.
         """
         self._check_index(index, RingError)
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
+        self._check_open()
         self._words.store(self._hw(index, _H.ACK), pack_ack(consumer_epoch, pub_seq))
 
     def slots(self) -> list[SlotInfo]:
@@ -956,17 +953,13 @@ def _map(fd: int, size: int) -> mmap.mmap:
 def _close_quietly(mm: mmap.mmap) -> None:
     """Unmap on an error path; if a view of it still exists (e.g. in a traceback), the mapping is
     released when that view is."""
-    try:
+    with contextlib.suppress(BufferError):
         mm.close()
-    except BufferError:
-        pass
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _remove_stale_rings(shm_dir: str, name: str, worker: int) -> int:
@@ -981,8 +974,8 @@ def _remove_stale_rings(shm_dir: str, name: str, worker: int) -> int:
             suffix = entry.name[len(prefix):]
             if not entry.name.startswith(prefix) or not suffix.isdigit() or not entry.is_file(follow_symlinks=False):
                 continue
-            problem = owner_problem(entry.path, entry.stat(follow_symlinks=False))
-            if problem:   # not a predecessor of ours: another user's file under our ring's name
+            # not a predecessor of ours: another user's file under our ring's name
+            if problem := owner_problem(entry.path, entry.stat(follow_symlinks=False)):
                 log.warning("ignoring %s: not a ring of this server's (%s)", entry.path, problem)
                 continue
             newest = max(newest, int(suffix))
