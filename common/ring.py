@@ -84,7 +84,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import msgpack
 import torch
@@ -311,10 +311,7 @@ class Backoff:
             if left <= 0:
                 return False
             delay = min(delay, left)
-        if self._event.wait(delay):
-            self._delay = self.first
-        else:
-            self._delay = min(self._delay * 2, self.cap)
+        self._delay = self.first if self._event.wait(delay) else min(self._delay * 2, self.cap)
         return True
 
     def wake(self) -> None:
@@ -338,6 +335,9 @@ def _layout(slot_count: int, slot_size: int) -> tuple[int, int]:
     headers_end = PAGE + _round_up(slot_count * HEADER_STRIDE, PAGE)
     data_offset = _round_up(headers_end, SLOT_ALIGN)
     return data_offset, data_offset + slot_count * slot_size
+
+
+_Ring = TypeVar("_Ring", bound="_RingMap")
 
 
 class _RingMap:
@@ -438,6 +438,15 @@ class _RingMap:
             except StaleSlot as e:
                 log.log(self._bad_table_log_level, "%s: %s", self.path, e)
         return SlotInfo(index, pub_seq, state, acked, meta)
+
+    def __enter__(self: _Ring) -> _Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()   # the producer's or the consumer's own
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, slots={self.slot_count}x{self.slot_size})"
 
     def _unmap(self) -> None:
         """Unregister from CUDA, then unmap (unless tensor views still use the mapping)."""
@@ -755,15 +764,6 @@ class ProducerRing(_RingMap):
         if self._role_lock is not None:
             self._role_lock.release(unlink=unlink)  # a clean exit leaves nothing in /dev/shm
 
-    def __enter__(self) -> "ProducerRing":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"ProducerRing({self.path!r}, slots={self.slot_count}x{self.slot_size})"
-
 
 class SlotWriter:
     """One WRITING slot: hands out zero-copy tensor views into it, then publishes it once.
@@ -903,24 +903,14 @@ class ConsumerRing(_RingMap):
         """
         w = self._words
         pidns = w.load(_C.PRODUCER_PIDNS)
-        if pidns and pidns == _pid_namespace():
-            if not pid_alive(w.load(_C.PRODUCER_PID), w.load(_C.PRODUCER_START)):
-                return False
+        if pidns and pidns == _pid_namespace() and not pid_alive(w.load(_C.PRODUCER_PID), w.load(_C.PRODUCER_START)):
+            return False
         age_ns = time.monotonic_ns() - w.load(_C.HEARTBEAT_NS)
         return age_ns <= max_heartbeat_age * 1e9
 
     def close(self) -> None:
         """Unmap (after unregistering from CUDA); the file is the producer's and stays."""
         self._unmap()
-
-    def __enter__(self) -> "ConsumerRing":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"ConsumerRing({self.path!r}, slots={self.slot_count}x{self.slot_size})"
 
 
 class SlotView:
