@@ -62,6 +62,7 @@ register `channel.socket` with their own zmq.Poller and call `poll(0)` when it i
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import ipaddress
@@ -408,10 +409,8 @@ def _peer(frame: zmq.Frame) -> Peer | None:
 
 def _malloc_trim() -> None:
     """glibc's malloc_trim(0): free pages of every malloc arena back to the system (no-op elsewhere)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _common_options(sock: zmq.Socket, hwm: int, max_bytes: int, rcv_hwm: int = RCV_HWM) -> None:
@@ -692,11 +691,9 @@ class RouterChannel(_Channel):
         super().close()
         if self._ipc_inode is not None:
             path, inode = self._ipc_inode
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if os.stat(path).st_ino == inode:
                     os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 class DealerChannel(_Channel):

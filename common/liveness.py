@@ -28,6 +28,8 @@ import fcntl
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from common.trust import Untrusted, owner_problem
 
@@ -36,8 +38,9 @@ from common.trust import Untrusted, owner_problem
 PROBE_GRACE_S = 0.05
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/<pid>/stat from field 3 (state) on; None if there is no such process."""
+def _from_stat(pid: int, parse: Callable[[list[bytes]], Any]) -> Any:
+    """parse(/proc/<pid>/stat from field 3 (state) on); None if there is no such process, or its
+    fields do not parse."""
     if pid <= 0:
         return None
     try:
@@ -48,27 +51,19 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     # The command name (field 2) is in parentheses and may itself contain ") ", so split after
     # the LAST ')'; the remaining fields start at field 3 (state).
     try:
-        return raw[raw.rindex(b")") + 2:].split()
-    except ValueError:
+        return parse(raw[raw.rindex(b")") + 2:].split())
+    except (ValueError, IndexError):
         return None
 
 
 def _read_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time) of a process, None if there is no such process."""
-    rest = _stat_fields(pid)
-    try:
-        return None if rest is None else (rest[0].decode(), int(rest[19]))
-    except (ValueError, IndexError):
-        return None
+    return _from_stat(pid, lambda rest: (rest[0].decode(), int(rest[19])))
 
 
 def parent_pid(pid: int) -> int | None:
     """The parent of `pid` (/proc/<pid>/stat field 4), None if there is no such process."""
-    rest = _stat_fields(pid)
-    try:
-        return None if rest is None else int(rest[1])
-    except (ValueError, IndexError):
-        return None
+    return _from_stat(pid, lambda rest: int(rest[1]))
 
 
 def process_start_time(pid: int) -> int | None:
@@ -86,9 +81,7 @@ def process_age_s() -> float | None:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    if stat is None:
-        return None
-    return max(0.0, uptime - stat[1] / os.sysconf("SC_CLK_TCK"))
+    return None if stat is None else max(0.0, uptime - stat[1] / os.sysconf("SC_CLK_TCK"))
 
 
 def pid_alive(pid: int, start_time: int) -> bool:
@@ -100,10 +93,8 @@ def pid_alive(pid: int, start_time: int) -> bool:
 def self_identity() -> tuple[int, int]:
     """(pid, start time) of this process."""
     pid = os.getpid()
-    start = process_start_time(pid)
-    if start is None:  # /proc missing: identities degrade to pid only, pid_alive() will say False
-        start = 0
-    return pid, start
+    # /proc missing: identities degrade to pid only (start time 0), pid_alive() will say False
+    return pid, process_start_time(pid) or 0
 
 
 class LockHeld(RuntimeError):

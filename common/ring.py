@@ -84,7 +84,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import msgpack
 import torch
@@ -311,10 +311,7 @@ class Backoff:
             if left <= 0:
                 return False
             delay = min(delay, left)
-        if self._event.wait(delay):
-            self._delay = self.first
-        else:
-            self._delay = min(self._delay * 2, self.cap)
+        self._delay = self.first if self._event.wait(delay) else min(self._delay * 2, self.cap)
         return True
 
     def wake(self) -> None:
@@ -338,6 +335,9 @@ def _layout(slot_count: int, slot_size: int) -> tuple[int, int]:
     headers_end = PAGE + _round_up(slot_count * HEADER_STRIDE, PAGE)
     data_offset = _round_up(headers_end, SLOT_ALIGN)
     return data_offset, data_offset + slot_count * slot_size
+
+
+_Ring = TypeVar("_Ring", bound="_RingMap")
 
 
 class _RingMap:
@@ -393,10 +393,13 @@ class _RingMap:
         flat = self._bytes[start + entry.offset:start + entry.offset + entry.nbytes]
         return flat.view(entry.dtype).view(entry.shape)
 
-    @property
-    def consumer_epoch(self) -> int:
+    def _check_open(self) -> None:
         if self._closed:
             raise RingError(f"{self.path}: ring is closed")
+
+    @property
+    def consumer_epoch(self) -> int:
+        self._check_open()
         return self._words.load(_C.CONSUMER_EPOCH)
 
     def _read_table(self, index: int, pub_seq: int) -> tuple[dict[str, TensorEntry], dict]:
@@ -435,6 +438,15 @@ class _RingMap:
             except StaleSlot as e:
                 log.log(self._bad_table_log_level, "%s: %s", self.path, e)
         return SlotInfo(index, pub_seq, state, acked, meta)
+
+    def __enter__(self: _Ring) -> _Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()   # the producer's or the consumer's own
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, slots={self.slot_count}x{self.slot_size})"
 
     def _unmap(self) -> None:
         """Unregister from CUDA, then unmap (unless tensor views still use the mapping)."""
@@ -741,10 +753,6 @@ class ProducerRing(_RingMap):
         """Cut short a wait in acquire() (call when an ACK message arrives)."""
         self._waiter.wake()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
-
     def close(self, unlink: bool = True) -> None:
         """Unregister CUDA, unmap, unlink the file (unless unlink=False), give up the producer role."""
         with self._lock:
@@ -755,15 +763,6 @@ class ProducerRing(_RingMap):
             _unlink_quietly(self.path)
         if self._role_lock is not None:
             self._role_lock.release(unlink=unlink)  # a clean exit leaves nothing in /dev/shm
-
-    def __enter__(self) -> "ProducerRing":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"ProducerRing({self.path!r}, slots={self.slot_count}x{self.slot_size})"
 
 
 class SlotWriter:
@@ -875,8 +874,7 @@ class ConsumerRing(_RingMap):
         self._check_index(index, StaleSlot)
         if not _is_int(pub_seq) or not 0 < pub_seq <= MAX_PUB_SEQ:
             raise StaleSlot(f"pub_seq {pub_seq!r} outside 1..{MAX_PUB_SEQ}")
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
+        self._check_open()
         entries, meta = self._read_table(index, pub_seq)
         start = self._slot_start(index)
         tensors = {name: self._view(start, e) for name, e in entries.items()}
@@ -889,8 +887,7 @@ class ConsumerRing(_RingMap):
         producer frees the slot only if the epoch is still current and the slot still holds pub_seq.
         """
         self._check_index(index, RingError)
-        if self._closed:
-            raise RingError(f"{self.path}: ring is closed")
+        self._check_open()
         self._words.store(self._hw(index, _H.ACK), pack_ack(consumer_epoch, pub_seq))
 
     def slots(self) -> list[SlotInfo]:
@@ -906,24 +903,14 @@ class ConsumerRing(_RingMap):
         """
         w = self._words
         pidns = w.load(_C.PRODUCER_PIDNS)
-        if pidns and pidns == _pid_namespace():
-            if not pid_alive(w.load(_C.PRODUCER_PID), w.load(_C.PRODUCER_START)):
-                return False
+        if pidns and pidns == _pid_namespace() and not pid_alive(w.load(_C.PRODUCER_PID), w.load(_C.PRODUCER_START)):
+            return False
         age_ns = time.monotonic_ns() - w.load(_C.HEARTBEAT_NS)
         return age_ns <= max_heartbeat_age * 1e9
 
     def close(self) -> None:
         """Unmap (after unregistering from CUDA); the file is the producer's and stays."""
         self._unmap()
-
-    def __enter__(self) -> "ConsumerRing":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"ConsumerRing({self.path!r}, slots={self.slot_count}x{self.slot_size})"
 
 
 class SlotView:
@@ -956,17 +943,13 @@ def _map(fd: int, size: int) -> mmap.mmap:
 def _close_quietly(mm: mmap.mmap) -> None:
     """Unmap on an error path; if a view of it still exists (e.g. in a traceback), the mapping is
     released when that view is."""
-    try:
+    with contextlib.suppress(BufferError):
         mm.close()
-    except BufferError:
-        pass
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _remove_stale_rings(shm_dir: str, name: str, worker: int) -> int:
@@ -981,8 +964,8 @@ def _remove_stale_rings(shm_dir: str, name: str, worker: int) -> int:
             suffix = entry.name[len(prefix):]
             if not entry.name.startswith(prefix) or not suffix.isdigit() or not entry.is_file(follow_symlinks=False):
                 continue
-            problem = owner_problem(entry.path, entry.stat(follow_symlinks=False))
-            if problem:   # not a predecessor of ours: another user's file under our ring's name
+            # not a predecessor of ours: another user's file under our ring's name
+            if problem := owner_problem(entry.path, entry.stat(follow_symlinks=False)):
                 log.warning("ignoring %s: not a ring of this server's (%s)", entry.path, problem)
                 continue
             newest = max(newest, int(suffix))

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from common.config import Config, ConfigError, load_config
@@ -34,6 +36,11 @@ def _print(obj: Any, as_json: bool) -> None:
     else:
         from .ctl import render
         print(render(obj))
+
+
+def _main_of(module: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand that is all `dfpipe.<module>.main(args)`, its module imported when it runs."""
+    return lambda args: importlib.import_module(f"dfpipe.{module}").main(args)
 
 
 def cmd_target_server(args: argparse.Namespace) -> int:
@@ -122,11 +129,6 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return run(args, _config(args))
 
 
-def cmd_regenerate(args: argparse.Namespace) -> int:
-    from .regenerate import main as regenerate_main
-    return regenerate_main(args)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from .export_cmd import export_checkpoint
     out = export_checkpoint(_config(args), args.checkpoint, args.out, args.target)
@@ -137,21 +139,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     return run_demo(args.config or None, args.set, fresh=args.fresh)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from .eval import main as eval_main
-    return eval_main(args)
-
-
-def cmd_make_toy_target(args: argparse.Namespace) -> int:
-    from .toy_target import main as toy_main
-    return toy_main(args)
-
-
-def cmd_quantize_fp8(args: argparse.Namespace) -> int:
-    from .quantize_fp8 import main as quantize_main
-    return quantize_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "answers, from an OpenAI-compatible server (vLLM, SGLang, transformers serve)")
     from .regenerate import add_arguments as regenerate_arguments
     regenerate_arguments(p)
-    p.set_defaults(fn=cmd_regenerate)
+    p.set_defaults(fn=_main_of("regenerate"))
 
     p = sub.add_parser("export", help="export a checkpoint as a drafter SGLang/vLLM can load")
     _add_config(p)
@@ -236,19 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N prompts only")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_eval)
+    p.set_defaults(fn=_main_of("eval"))
 
     p = sub.add_parser("quantize-fp8", help="write a model's block-wise FP8 checkpoint (e4m3 weights, 128x128 "
                                             "scales), the format of the published FP8 models")
     p.add_argument("--model", required=True, help="model folder, or builtin:tiny-qwen3.5 / builtin:tiny-qwen3")
     p.add_argument("--out", required=True, help="new folder for the FP8 checkpoint")
-    p.set_defaults(fn=cmd_quantize_fp8)
+    p.set_defaults(fn=_main_of("quantize_fp8"))
 
     p = sub.add_parser("make-toy-target", help="train a tiny Qwen3.5 LM on a structured corpus (a target worth drafting for)")
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_make_toy_target)
+    p.set_defaults(fn=_main_of("toy_target"))
     return ap
 
 

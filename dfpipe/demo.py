@@ -46,9 +46,7 @@ DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 
 
 def _spawn(role: str, config: str, overrides: list[str], log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dfpipe", role, "-c", config]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = [sys.executable, "-m", "dfpipe", role, "-c", config, *(a for o in overrides for a in ("--set", o))]
     log = open(log_path, "ab")
     # two services on a small CPU box: one intra-op thread each, or they slow each other down;
     # and they stop when the demo dies, whatever kills it (`dfpipe` arms that first thing)
@@ -106,10 +104,6 @@ def plot_metrics(rows: list[dict[str, Any]], png_path: str) -> bool:
 
 def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if reported(value) else "-"
-
-
-def _leftover_shm(cfg: Config) -> list[str]:
-    return sorted(glob.glob(os.path.join(cfg.ring.shm_dir, f"{cfg.ring.name}.*")))
 
 
 def _fmt_stages(stages: dict[str, Any]) -> str:
@@ -286,7 +280,7 @@ def _run(cfg: Config, config: str, overrides: list[str], out_dir: str, rerun: st
     from drafter_trainer.checkpoint import inspect_run
     info = inspect_run(out_dir)
     ckpt = info.get("path")
-    leftovers = _leftover_shm(cfg)
+    leftovers = sorted(glob.glob(os.path.join(cfg.ring.shm_dir, f"{cfg.ring.name}.*")))
     ts = trainer_status or {}
     # the trainer's last metrics record: the plot's last points (the status polled last may be a few steps older)
     last = ([r for r in rows if "loss" in r] or [None])[-1]
@@ -316,9 +310,7 @@ def _run(cfg: Config, config: str, overrides: list[str], out_dir: str, rerun: st
     print(f"export               {os.path.join(out_dir, 'export')}")
     print(f"plot                 {png if plotted else '(no metrics)'}")
     print(f"/dev/shm left over   {leftovers or 'none'}")
-    if leftovers:
-        return 1
-    return 0
+    return 1 if leftovers else 0
 
 
 def _continue_or_clear(out_dir: str, fresh: bool) -> int | None:

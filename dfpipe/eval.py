@@ -244,10 +244,7 @@ def draft_block(drafter: Any, context: torch.Tensor, anchor_token: int) -> list[
 
 def accept_length(draft: Sequence[int], verified: Sequence[int]) -> int:
     """How many leading draft tokens equal the target's own greedy choices."""
-    n = 0
-    while n < len(draft) and draft[n] == verified[n]:
-        n += 1
-    return n
+    return next((n for n, (d, v) in enumerate(zip(draft, verified)) if d != v), len(draft))
 
 
 @dataclass
@@ -405,9 +402,7 @@ class EvalReport:
 
 def summarize(accepted: list[int], block_size: int) -> tuple[float, list[float], list[int]]:
     """(tau, acceptance per block position 1..B-1, histogram of n) from the per-step accepted counts."""
-    histogram = [0] * block_size
-    for n in accepted:
-        histogram[n] += 1
+    histogram = [accepted.count(n) for n in range(block_size)]
     steps = len(accepted)
     if steps == 0:
         return 0.0, [0.0] * (block_size - 1), histogram
@@ -418,10 +413,8 @@ def summarize(accepted: list[int], block_size: int) -> tuple[float, list[float],
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where a and b differ (a length difference counts), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    end = None if len(a) == len(b) else min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), end)
 
 
 def evaluate(target: TargetModel, drafter: Any, prompts: Prompts, max_new_tokens: int, stop_ids: set[int],

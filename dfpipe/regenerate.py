@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -168,10 +169,8 @@ def _retry_delay(s: Settings, attempt: int, resp: httpx2.Response | None) -> flo
     """Exponential backoff with full jitter; a server's Retry-After (seconds) wins when it asks for longer."""
     delay = random.uniform(0, min(BACKOFF_CAP_S, s.backoff_s * 2 ** attempt))
     if resp is not None:
-        try:
+        with contextlib.suppress(ValueError):
             delay = max(delay, min(BACKOFF_CAP_S, float(resp.headers.get("retry-after", ""))))
-        except ValueError:
-            pass
     return delay
 
 
@@ -405,10 +404,7 @@ async def _run_rows(client: httpx2.AsyncClient, s: Settings, input_path: str, ou
     try:
         while True:
             # Keep `concurrency` conversations in flight; read the input lazily so memory stays flat.
-            while len(pending) < concurrency and not summary.stopped:
-                nxt = next(rows, None)
-                if nxt is None:
-                    break
+            while len(pending) < concurrency and not summary.stopped and (nxt := next(rows, None)) is not None:
                 pending.add(asyncio.ensure_future(_regenerate_row(client, s, *nxt)))
             if not pending:
                 break

@@ -184,7 +184,8 @@ def pad_batch(docs: list[tuple[list[int], list[int]]], pad_id: int, prompt_weigh
     weights = torch.zeros((len(docs), width))
     for row, (ids, mask) in enumerate(docs):
         input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        weights[row, :len(ids)] = token_weights(mask, prompt_weight)
+        assistant = torch.tensor(mask, dtype=torch.float32)
+        weights[row, :len(ids)] = assistant + (1 - assistant) * prompt_weight
     return input_ids, weights
 
 
@@ -194,12 +195,6 @@ def lr_at(step: int, progress: float, recipe: ToyRecipe) -> float:
         return recipe.lr * (step + 1) / recipe.warmup_steps
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
-
-
-def token_weights(assistant_mask: list[int], prompt_weight: float) -> torch.Tensor:
-    """Loss weight per token: 1 on assistant tokens, prompt_weight elsewhere."""
-    mask = torch.tensor(assistant_mask, dtype=torch.float32)
-    return mask + (1 - mask) * prompt_weight
 
 
 @dataclass
@@ -304,11 +299,6 @@ def _versions() -> dict[str, str]:
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}"}
 
 
-def _prepare_out_dir(out_dir: str) -> None:
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise FileExistsError(f"{out_dir} exists and is not an empty folder; choose another --out or remove it")
-
-
 def make_toy_target(out_dir: str, minutes: float = 8.0, seed: int = 0, steps: int | None = None,
                     recipe: ToyRecipe | None = None, device: torch.device | None = None,
                     progress: Callable[[str], None] | None = None) -> ToyReport:
@@ -323,7 +313,8 @@ def make_toy_target(out_dir: str, minutes: float = 8.0, seed: int = 0, steps: in
         raise ValueError(f"minutes must be positive, got {minutes}")
     if recipe.max_len > recipe.batch_tokens:
         raise ValueError(f"max_len ({recipe.max_len}) must fit in one batch (batch_tokens {recipe.batch_tokens})")
-    _prepare_out_dir(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise FileExistsError(f"{out_dir} exists and is not an empty folder; choose another --out or remove it")
     t0 = time.monotonic()
     deadline = t0 + minutes * 60 * (1 - recipe.eval_fraction)
     device = device or auto_device()

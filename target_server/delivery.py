@@ -26,6 +26,7 @@ tests) carry the actions out (`run_actions`).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
@@ -205,9 +206,7 @@ class EpochPlan:
     def __init__(self, sizes: list[int], num_hosts: int = 1, host_rank: int = 0) -> None:
         self.sizes = list(sizes)
         self.num_hosts, self.host_rank = num_hosts, host_rank
-        self.starts = [0]
-        for n in self.sizes:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *itertools.accumulate(self.sizes)]
 
     @property
     def total(self) -> int:
@@ -390,7 +389,8 @@ class DeliveryCore:
             if alive := [p for p in s.peers.values() if self._alive(p, now)]:
                 return self._refuse(peer, msg.rid, "busy",
                                     f"another trainer session ({s.job}, pid {alive[0].pid}) is active")
-        self._plan_epochs(msg.epochs)
+        if msg.epochs > len(self.plan.sizes):
+            self.plan = EpochPlan(self._epoch_sizes(msg.epochs), self.num_hosts, self.host_rank)
         planned = self.plan.starts[msg.epochs]
         if msg.have.end > planned:
             # A have set is what the trainer trained of this plan: seqs beyond it are a stranger's
@@ -556,10 +556,6 @@ class DeliveryCore:
                 "heldout_acked": s.streams[HELDOUT].delivered.size}
 
     # ---- decisions ----------------------------------------------------------------------------
-    def _plan_epochs(self, epochs: int) -> None:
-        if epochs > len(self.plan.sizes):
-            self.plan = EpochPlan(self._epoch_sizes(epochs), self.num_hosts, self.host_rank)
-
     def _start_session(self, hello: Hello, out: list[Action]) -> Session:
         epoch = self.next_consumer_epoch
         self.next_consumer_epoch += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -147,20 +148,12 @@ def to_device(device: torch.device | str, *items: "torch.Tensor | PackedDocs") -
     flat: list[torch.Tensor] = []
     for item in items:
         flat.extend(item.tensors() if isinstance(item, PackedDocs) else [item])
-    sizes = [t.numel() for t in flat]
-    spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]
-    host = torch.empty(sum(spans), dtype=torch.int64, pin_memory=True)
-    start = 0
-    for t, span in zip(flat, spans):
+    offsets = [0, *itertools.accumulate(-(-t.numel() // _ALIGN) * _ALIGN for t in flat)]
+    host = torch.empty(offsets[-1], dtype=torch.int64, pin_memory=True)
+    for t, start in zip(flat, offsets):
         host[start:start + t.numel()].copy_(t.reshape(-1))
-        start += span
     on_device = host.to(device, non_blocking=True)
-    moved = []
-    start = 0
-    for t, span in zip(flat, spans):
-        moved.append(on_device[start:start + t.numel()].view(t.shape))
-        start += span
-    views = iter(moved)
+    views = iter([on_device[start:start + t.numel()].view(t.shape) for t, start in zip(flat, offsets)])
     return [item.with_tensors([next(views) for _ in item.tensors()]) if isinstance(item, PackedDocs)
             else next(views) for item in items]
 
@@ -292,9 +285,7 @@ def gated_deltanet_forward(gdn: torch.nn.Module, hidden: torch.Tensor, docs: Pac
     if t < real_t:
         raise ValueError(f"docs cover {t} tokens, hidden has {real_t}")
     mixed = gdn.in_proj_qkv(hidden)[0]                                    # [T, 2*key_dim + value_dim]
-    z = gdn.in_proj_z(hidden)
-    b = gdn.in_proj_b(hidden)
-    a = gdn.in_proj_a(hidden)
+    z, b, a = gdn.in_proj_z(hidden), gdn.in_proj_b(hidden), gdn.in_proj_a(hidden)
     if t > real_t:   # rows of the padding document: zeros, their own document, dropped below
         mixed, z, b, a = (F.pad(x, (0, 0, 0, t - real_t)) for x in (mixed, z, b, a))
     mixed = causal_conv1d(mixed, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, docs,
